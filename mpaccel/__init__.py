@@ -1,0 +1,44 @@
+"""mpaccel: Hugging Face Accelerate's process API for jobs launched by mpiexec, mpirun, srun or python.
+
+Importing mpaccel has no side effects: MPI is initialised, and torch.distributed set up, by the
+first `PartialState()` / `Accelerator()`.
+"""
+
+__version__ = "0.1.0"
+
+from .accelerator import Accelerator
+from .environments import ProcessInfo
+from .errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    ConfigurationError,
+    LaunchError,
+    MpaccelError,
+)
+from .state import AcceleratorState, GradientState, PartialState
+from .utils import (
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    ProjectConfiguration,
+)
+
+__all__ = [
+    "Accelerator",
+    "AcceleratorState",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "ConfigurationError",
+    "DataLoaderConfiguration",
+    "DistributedType",
+    "GradientAccumulationPlugin",
+    "GradientState",
+    "InitProcessGroupKwargs",
+    "LaunchError",
+    "MpaccelError",
+    "PartialState",
+    "ProcessInfo",
+    "ProjectConfiguration",
+    "__version__",
+]

@@ -1,0 +1,267 @@
+"""The control plane: who is here, has anyone asked to stop. Host-side MPI, never the GPU.
+
+`MPIComm` is a thin adapter over an mpi4py communicator whose every collective is non-blocking
+and polled: a short spin keeps latency at raw-MPI level when everyone is already there, then
+growing sleeps free the CPU (MPICH's blocking calls busy-poll, stealing cores from the rank that
+is still working) and let Python run signal handlers. Each call has a deadline; on expiry the
+waiting ranks ask each other where they are and raise one error naming the ranks that never came.
+
+`NullComm` is the size-1 world: the same interface, identities for collectives, so callers never
+branch on "am I distributed".
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from .errors import CollectiveError, CollectiveTimeoutError, MpaccelError, RankFailure
+
+# Tags on the diagnostics communicator (a duplicate, so user traffic never matches ours).
+_TAG_QUERY = 7301
+_TAG_REPLY = 7302
+
+_SPIN_SECONDS = 2e-3  # busy-test this long before sleeping: covers a barrier everyone is at
+_MAX_SLEEP = 2e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
+
+_OPS = {"max", "min", "sum"}
+
+
+def _failure_of(rank: int, host: str, exc: BaseException) -> RankFailure:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return RankFailure(rank, host, type(exc).__name__, str(exc), tb)
+
+
+class Comm(Protocol):
+    """What mpaccel needs from a communicator. Every method is collective unless noted."""
+
+    rank: int
+    size: int
+    hosts: Sequence[str]
+
+    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None: ...
+
+    def allreduce(
+        self, value: int, op: str = "max", what: str = "allreduce", timeout: float | None = None
+    ) -> int: ...
+
+    def allgather(
+        self, obj: Any, what: str = "allgather", timeout: float | None = None
+    ) -> list[Any]: ...
+
+    def bcast(
+        self, obj: Any, root: int = 0, what: str = "bcast", timeout: float | None = None
+    ) -> Any: ...
+
+    def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
+        """Raise the same CollectiveError on every rank if `error` is set on any rank."""
+        ...
+
+    def abort(self, code: int = 1) -> None:
+        """Not collective: end the whole job now."""
+        ...
+
+
+class NullComm:
+    """The world of one process. Collectives are identities; errors still come out collective."""
+
+    rank = 0
+    size = 1
+
+    def __init__(self, host: str = "localhost", default_timeout: float = 1800.0) -> None:
+        self.hosts: Sequence[str] = (host,)
+        self.default_timeout = default_timeout
+
+    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
+        return None
+
+    def allreduce(
+        self, value: int, op: str = "max", what: str = "allreduce", timeout: float | None = None
+    ) -> int:
+        if op not in _OPS:
+            raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(_OPS)}")
+        return int(value)
+
+    def allgather(self, obj: Any, what: str = "allgather", timeout: float | None = None) -> list:
+        return [obj]
+
+    def bcast(self, obj: Any, root: int = 0, what: str = "bcast", timeout=None) -> Any:
+        if root != 0:
+            raise ValueError(f"root {root} out of range for a world of size 1")
+        return obj
+
+    def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
+        if error is not None:
+            raise CollectiveError(what, {0: _failure_of(0, self.hosts[0], error)}) from error
+
+    def abort(self, code: int = 1) -> None:
+        import os
+
+        os._exit(code)
+
+
+class MPIComm:
+    """Adapter over an mpi4py communicator (duplicated, so mpaccel's traffic stays apart)."""
+
+    def __init__(self, comm: Any, default_timeout: float = 1800.0) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = comm.Dup()
+        self._diag = comm.Dup()
+        self.rank: int = self._comm.Get_rank()
+        self.size: int = self._comm.Get_size()
+        self.hosts: Sequence[str] = ()
+        self.default_timeout = default_timeout
+        self._seq = 0
+        self._current: tuple[str, int] | None = None
+        self._broken: str | None = None
+        self._ops = {"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}
+        self._send = np.zeros(1, dtype=np.int64)
+        self._recv = np.zeros(1, dtype=np.int64)
+
+    @property
+    def mpi_comm(self) -> Any:
+        """The duplicated mpi4py communicator (for code that wants raw MPI on mpaccel's world)."""
+        return self._comm
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    def _begin(self, what: str) -> int:
+        if self._broken is not None:
+            raise MpaccelError(
+                f"cannot run {what}: the communicator is unusable since {self._broken}",
+                "a timed-out collective leaves its partners out of step; end the job "
+                "(the usual outcome) instead of catching the timeout and carrying on.",
+            )
+        self._seq += 1
+        self._current = (what, self._seq)
+        return self._seq
+
+    def _wait(self, request: Any, what: str, timeout: float | None) -> None:
+        """Poll `request` to completion; on deadline, diagnose and raise on this rank."""
+        limit = self.default_timeout if timeout is None else float(timeout)
+        start = time.monotonic()
+        spin_until = start + _SPIN_SECONDS
+        test = request.Test
+        while time.monotonic() < spin_until:
+            if test():
+                self._current = None
+                return
+        deadline = start + limit
+        pause = 2e-5
+        while not test():
+            self._answer_queries()
+            now = time.monotonic()
+            if now >= deadline:
+                self._timed_out(what, limit)
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 1.5, _MAX_SLEEP)
+        self._current = None
+
+    def _answer_queries(self) -> None:
+        """While waiting, tell any rank that timed out which collective this rank is in."""
+        MPI = self._MPI
+        status = MPI.Status()
+        while self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_QUERY, status):
+            source = status.Get_source()
+            self._diag.recv(source=source, tag=_TAG_QUERY)
+            self._diag.send((self.rank, self._current), dest=source, tag=_TAG_REPLY)
+
+    def _timed_out(self, what: str, limit: float) -> None:
+        MPI = self._MPI
+        others = [r for r in range(self.size) if r != self.rank]
+        sends = [self._diag.isend(self._current, dest=r, tag=_TAG_QUERY) for r in others]
+        replies: dict[int, Any] = {}
+        grace_end = time.monotonic() + min(5.0, max(1.0, 0.05 * limit))
+        status = MPI.Status()
+        while len(replies) < len(others) and time.monotonic() < grace_end:
+            self._answer_queries()
+            if self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_REPLY, status):
+                rank, where = self._diag.recv(source=status.Get_source(), tag=_TAG_REPLY)
+                replies[rank] = where
+            else:
+                time.sleep(1e-3)
+        for req in sends:
+            if not req.Test():
+                req.Cancel()
+        here = self._current
+        arrived = sorted([self.rank] + [r for r, w in replies.items() if w == here])
+        elsewhere = {r: w for r, w in replies.items() if w is not None and w != here}
+        missing = sorted(r for r in others if r not in replies or replies[r] is None)
+        missing += sorted(elsewhere)
+        hosts = {r: self.hosts[r] for r in range(len(self.hosts))}
+        hint = None
+        if elsewhere:
+            detail = "; ".join(f"rank {r} is in {w[0]} #{w[1]}" for r, w in elsewhere.items())
+            hint = (
+                f"ranks are in different collectives ({detail}; this rank is in {what} "
+                f"#{here[1] if here else '?'}): some rank took a different code path, e.g. a "
+                "wait_for_everyone() or check_trigger() inside an `if is_main_process:` block."
+            )
+        self._broken = f"{what} timed out"
+        raise CollectiveTimeoutError(what, limit, missing, hosts, arrived, hint)
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
+        self._begin(what)
+        self._wait(self._comm.Ibarrier(), what, timeout)
+
+    def allreduce(
+        self, value: int, op: str = "max", what: str = "allreduce", timeout: float | None = None
+    ) -> int:
+        if op not in self._ops:
+            raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(self._ops)}")
+        self._begin(what)
+        self._send[0] = value
+        self._wait(self._comm.Iallreduce(self._send, self._recv, self._ops[op]), what, timeout)
+        return int(self._recv[0])
+
+    def allgather(self, obj: Any, what: str = "allgather", timeout: float | None = None) -> list:
+        self._begin(what)
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        mine = np.array([payload.size], dtype=np.int64)
+        self._wait(self._comm.Iallgather(mine, sizes), what, timeout)
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        counts = sizes.tolist()
+        request = self._comm.Iallgatherv(payload, [out, counts, offsets.tolist(), self._MPI.BYTE])
+        self._wait(request, what, timeout)
+        return [
+            pickle.loads(out[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), counts)
+        ]
+
+    def bcast(self, obj: Any, root: int = 0, what: str = "bcast", timeout=None) -> Any:
+        if not 0 <= root < self.size:
+            raise ValueError(f"root {root} out of range for a world of size {self.size}")
+        self._begin(what)
+        size = np.zeros(1, dtype=np.int64)
+        payload = None
+        if self.rank == root:
+            payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+            size[0] = payload.size
+        self._wait(self._comm.Ibcast(size, root=root), what, timeout)
+        if self.rank != root:
+            payload = np.empty(int(size[0]), dtype=np.uint8)
+        self._wait(self._comm.Ibcast(payload, root=root), what, timeout)
+        return obj if self.rank == root else pickle.loads(payload.tobytes())  # type: ignore[union-attr]
+
+    def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
+        failed = self.allreduce(0 if error is None else 1, "max", what, timeout)
+        if not failed:
+            return
+        host = self.hosts[self.rank] if self.hosts else "?"
+        mine = None if error is None else _failure_of(self.rank, host, error)
+        reports = self.allgather(mine, what, timeout)
+        failures = {r.rank: r for r in reports if r is not None}
+        raise CollectiveError(what, failures) from error
+
+    def abort(self, code: int = 1) -> None:
+        self._MPI.COMM_WORLD.Abort(code)

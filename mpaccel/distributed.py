@@ -1,0 +1,164 @@
+"""The data plane's bootstrap and teardown: torch.distributed, rendezvous brokered over MPI.
+
+The only module that imports torch.distributed. Rank 0 opens a TCPStore on a port the kernel
+picks (no MASTER_PORT race), broadcasts its address over MPI, and every rank joins with its MPI
+rank and size. No MASTER_ADDR, no torchrun.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import socket
+import struct
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _env
+from .comm import Comm
+from .environments import ProcessInfo
+from .errors import ConfigurationError, LaunchError
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_address(ifname: str) -> str:
+    """IPv4 address of a network interface (Linux), e.g. 'ib0' -> '10.1.2.3'."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname[:15].encode()))
+        except OSError as exc:
+            names = ", ".join(name for _, name in socket.if_nameindex())
+            raise LaunchError(
+                f"MPACCEL_IFNAME={ifname!r} has no IPv4 address on {socket.gethostname()}: {exc}",
+                f"pick one of this host's interfaces: {names}",
+            ) from exc
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def routable_address() -> str:
+    """This host's address as other nodes should reach it: the hostname's address unless that is
+    loopback (a common /etc/hosts setup), then the first non-loopback interface."""
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        address = "127.0.0.1"
+    if not _is_loopback(address):
+        return address
+    for _, name in socket.if_nameindex():
+        try:
+            candidate = interface_address(name)
+        except LaunchError:
+            continue
+        if not _is_loopback(candidate):
+            return candidate
+    return address
+
+
+def choose_master_addr(info: ProcessInfo, env: _env.Snapshot | None = None) -> str:
+    """Address rank 0 listens on: MPACCEL_MASTER_ADDR, else MPACCEL_IFNAME's, else loopback for a
+    single node, else this host's routable address."""
+    explicit = _env.get("master_addr", env)
+    if explicit:
+        return explicit
+    ifname = _env.get("ifname", env)
+    if ifname:
+        return interface_address(ifname)
+    if info.num_nodes == 1:
+        return "127.0.0.1"
+    return routable_address()
+
+
+def backend_for(device: torch.device, requested: str | None) -> str:
+    """NCCL for CUDA devices, gloo for CPU, unless the user asked for something that can work."""
+    if requested is None:
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise ConfigurationError(
+            f"backend {requested!r} needs CUDA, but this process runs on {device}",
+            "drop backend= (mpaccel picks gloo on CPU) or run where GPUs are visible.",
+        )
+    return requested
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(
+    comm: Comm,
+    info: ProcessInfo,
+    device: torch.device,
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: timedelta | None = None,
+) -> str | None:
+    """Collective: every rank calls this. Joins (or reuses) the default process group.
+
+    Returns the backend in use, None for a world of one (no process group needed).
+    """
+    if info.num_processes == 1:
+        return None
+    chosen = backend_for(device, backend)
+    if is_initialized():
+        return dist.get_backend()
+    kwargs: dict[str, Any] = {"backend": chosen, "rank": info.process_index,
+                              "world_size": info.num_processes}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # binds the rank to its GPU and lets NCCL connect eagerly
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+        dist.init_process_group(**kwargs)
+        return chosen
+    store_timeout = timeout or timedelta(minutes=30)
+    error: BaseException | None = None
+    store = None
+    endpoint = None
+    if info.is_main_process:
+        try:
+            host = choose_master_addr(info)
+            store = dist.TCPStore(host, 0, info.num_processes, True, store_timeout,
+                                  wait_for_workers=False)
+            endpoint = (host, store.port)
+        except Exception as exc:
+            error = exc
+    comm.agree(error, "torch.distributed rendezvous (opening the store on rank 0)")
+    host, port = comm.bcast(endpoint, root=0, what="torch.distributed rendezvous")
+    error = None
+    try:
+        if store is None:
+            store = dist.TCPStore(host, port, info.num_processes, False, store_timeout)
+        dist.init_process_group(store=store, **kwargs)
+    except Exception as exc:
+        error = LaunchError(
+            f"rank {info.process_index} on {info.hostname} could not join the process group at "
+            f"{host}:{port}: {exc}",
+            "on multi-homed nodes set MPACCEL_MASTER_ADDR=<address of rank 0 reachable from "
+            "all nodes> or MPACCEL_IFNAME=<interface, e.g. ib0>; for gloo also "
+            "GLOO_SOCKET_IFNAME, for NCCL NCCL_SOCKET_IFNAME.",
+        )
+        error.__cause__ = exc
+    comm.agree(error, "torch.distributed rendezvous")
+    return chosen
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Destroy `group`, or the default group when None. A no-op when none exists."""
+    if not is_initialized():
+        return
+    if group is None:
+        dist.destroy_process_group()
+    else:
+        dist.destroy_process_group(group)

@@ -1,0 +1,109 @@
+"""What every launcher environment provides: the immutable process facts and one small interface."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .._env import Snapshot
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process sits in the job. Computed once, from the MPI communicator."""
+
+    process_index: int
+    num_processes: int
+    local_process_index: int
+    local_num_processes: int
+    node_index: int
+    num_nodes: int
+    hostname: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.process_index < self.num_processes:
+            raise ValueError(f"process_index {self.process_index} not in [0, {self.num_processes})")
+        if not 0 <= self.local_process_index < self.local_num_processes:
+            raise ValueError(
+                f"local_process_index {self.local_process_index} not in "
+                f"[0, {self.local_num_processes})"
+            )
+        if not 0 <= self.node_index < self.num_nodes:
+            raise ValueError(f"node_index {self.node_index} not in [0, {self.num_nodes})")
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @classmethod
+    def single(cls, hostname: str) -> ProcessInfo:
+        return cls(0, 1, 0, 1, 0, 1, hostname)
+
+
+def layout_from_node_keys(
+    keys: Sequence[Hashable], rank: int, hostname: str
+) -> ProcessInfo:
+    """ProcessInfo of `rank` given every rank's node key (same key = same node).
+
+    Nodes are numbered by the lowest rank they hold; local ranks follow world rank order within
+    a node. Pure function: discovery gathers the keys, tests feed synthetic ones.
+    """
+    first_rank: dict[Hashable, int] = {}
+    members: dict[Hashable, list[int]] = {}
+    for r, key in enumerate(keys):
+        first_rank.setdefault(key, r)
+        members.setdefault(key, []).append(r)
+    node_order = sorted(first_rank, key=first_rank.__getitem__)
+    mine = keys[rank]
+    return ProcessInfo(
+        process_index=rank,
+        num_processes=len(keys),
+        local_process_index=members[mine].index(rank),
+        local_num_processes=len(members[mine]),
+        node_index=node_order.index(mine),
+        num_nodes=len(node_order),
+        hostname=hostname,
+    )
+
+
+class Launcher:
+    """One way a job gets started (mpiexec of some MPI, srun, plain python).
+
+    Subclasses answer from an environment snapshot taken before MPI_Init; they never write it.
+    """
+
+    name = "unknown"
+
+    @classmethod
+    def detect(cls, env: Snapshot) -> bool:
+        raise NotImplementedError
+
+    def __init__(self, env: Snapshot) -> None:
+        self.env = env
+
+    def expected_world_size(self) -> int | None:
+        """How many processes this launcher started, by its own account (None: it does not say)."""
+        return None
+
+    def node_key(self) -> Hashable | None:
+        """A key naming this process's node when the launcher is more reliable than shared memory
+        (None: group by MPI shared-memory domain)."""
+        return None
+
+    def singleton_hint(self, mpi_library: str) -> str:
+        """What to change when the launcher started N processes but MPI sees a world of 1."""
+        return (
+            "the launcher and the MPI library mpi4py loaded do not talk to each other; launch with "
+            "the mpiexec that belongs to the MPI library mpi4py uses (see `mpaccel env`)."
+        )
+
+    def describe(self) -> Mapping[str, str]:
+        return {}

@@ -1,0 +1,119 @@
+"""mpaccel's exceptions. Every message says what went wrong and ends with a HINT the user can act on."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+class MpaccelError(Exception):
+    """Base class of every error mpaccel raises on purpose."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\nHINT: {hint}")
+
+    def __reduce__(self):  # keep the (message, hint) split when pickled by mpi4py
+        return (type(self), (self.message, self.hint))
+
+
+class LaunchError(MpaccelError):
+    """The way the job was launched does not add up (MPI vs Slurm vs launcher variables)."""
+
+
+class ConfigurationError(MpaccelError, ValueError):
+    """A configuration object or argument was given a value it cannot take."""
+
+
+class RankFailure:
+    """What one rank reports when it fails inside a collective operation."""
+
+    __slots__ = ("exc_type", "host", "message", "rank", "traceback")
+
+    def __init__(self, rank: int, host: str, exc_type: str, message: str, traceback: str) -> None:
+        self.rank = rank
+        self.host = host
+        self.exc_type = exc_type
+        self.message = message
+        self.traceback = traceback
+
+    def __reduce__(self):
+        return (RankFailure, (self.rank, self.host, self.exc_type, self.message, self.traceback))
+
+    def __repr__(self) -> str:
+        return f"RankFailure(rank={self.rank}, {self.exc_type}: {self.message})"
+
+
+class CollectiveError(MpaccelError):
+    """One or more ranks failed inside a collective operation; every rank raises this same error.
+
+    `failures` maps each failing rank to its `RankFailure` (exception type, message, traceback).
+    """
+
+    def __init__(
+        self,
+        operation: str,
+        failures: Mapping[int, RankFailure],
+        hint: str | None = None,
+    ) -> None:
+        self.operation = operation
+        self.failures = dict(sorted(failures.items()))
+        ranks = ", ".join(str(r) for r in self.failures)
+        lines = [f"{operation} failed on rank(s) {ranks}:"]
+        for failure in self.failures.values():
+            lines.append(
+                f"  rank {failure.rank} ({failure.host}): {failure.exc_type}: {failure.message}"
+            )
+        super().__init__("\n".join(lines), hint)
+
+    def __reduce__(self):
+        return (type(self), (self.operation, self.failures, self.hint))
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return list(self.failures)
+
+    def tracebacks(self) -> str:
+        """Each failing rank's traceback, every line tagged with its rank."""
+        out = []
+        for failure in self.failures.values():
+            out.extend(f"[rank {failure.rank}] {line}" for line in failure.traceback.splitlines())
+        return "\n".join(out)
+
+
+class CollectiveTimeoutError(MpaccelError, TimeoutError):
+    """A collective did not complete in time; names the ranks that never arrived."""
+
+    def __init__(
+        self,
+        operation: str,
+        timeout: float,
+        missing: Sequence[int],
+        hosts: Mapping[int, str],
+        arrived: Sequence[int],
+        hint: str | None = None,
+    ) -> None:
+        self.operation = operation
+        self.timeout = timeout
+        self.missing = list(missing)
+        self.arrived = list(arrived)
+        self.hosts = dict(hosts)
+        where = ", ".join(f"{r} ({self.hosts.get(r, '?')})" for r in self.missing) or "unknown"
+        message = (
+            f"{operation} timed out after {timeout:g} s: rank(s) {where} never arrived; "
+            f"rank(s) {', '.join(map(str, self.arrived)) or 'none'} were waiting"
+        )
+        if hint is None:
+            hint = (
+                "look at what the missing rank(s) were doing (py-spy dump --pid, or their "
+                "traceback); a rank that skipped this call, or is stuck in another collective, "
+                "is the usual cause. Raise the limit with wait_for_everyone(timeout=...), "
+                "InitProcessGroupKwargs(timeout=...) or MPACCEL_TIMEOUT=<seconds>."
+            )
+        super().__init__(message, hint)
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (self.operation, self.timeout, self.missing, self.hosts, self.arrived, self.hint),
+        )

@@ -1,0 +1,540 @@
+"""PartialState, AcceleratorState and GradientState: shared-state classes, as Accelerate has them.
+
+All instances of a class share one dictionary, filled by the first instantiation. Discovery
+(MPI, Slurm) happens once per process and survives `_reset_state()`, as does the torch process
+group; resetting only forgets the configuration, so tests can build a fresh state cheaply.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+from . import _env, distributed
+from .comm import Comm
+from .device import current_device
+from .discovery import Discovery, discover, emit_warnings
+from .environments import ProcessInfo
+from .errors import ConfigurationError
+from .split import split_inputs
+from .utils.dataclasses import (
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    as_timedelta,
+)
+
+DEFAULT_TIMEOUT = 1800.0  # seconds, like torch.distributed's default; MPACCEL_TIMEOUT overrides
+
+_discovery: Discovery | None = None
+_abort_hook_installed = False
+
+
+def _discover(timeout: float) -> Discovery:
+    global _discovery
+    if _discovery is None:
+        _discovery = discover(timeout)
+        emit_warnings(_discovery)
+    return _discovery
+
+
+def _install_abort_hook(info: ProcessInfo, comm: Comm) -> None:
+    """An exception nobody caught on one rank ends the whole job, with its traceback tagged."""
+    global _abort_hook_installed
+    if _abort_hook_installed or info.num_processes == 1:
+        return
+    if not _env.get_bool("abort_on_exception", True):
+        return
+    tag = f"[mpaccel rank {info.process_index}/{info.num_processes} {info.hostname}]"
+
+    def hook(exc_type, exc, tb):
+        text = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip()
+        lines = [f"{tag} {line}" for line in text.splitlines()]
+        lines.append(f"{tag} uncaught {exc_type.__name__}: aborting all ranks (MPI_Abort)")
+        try:
+            sys.stderr.write("\n".join(lines) + "\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            comm.abort(1)
+
+    sys.excepthook = hook
+    _abort_hook_installed = True
+
+
+def _limit_threads(info: ProcessInfo) -> None:
+    # N ranks on a node each running cores-many intra-op threads thrash; torchrun sets
+    # OMP_NUM_THREADS=1. Share the cores instead, unless the user chose.
+    if info.local_num_processes > 1 and _env.get("omp_num_threads") is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // info.local_num_processes))
+
+
+_PROCESS_GROUP_KEYS = {"backend", "init_method", "timeout"}
+
+
+class PartialState:
+    """Where this process sits in the job, and process control (barriers, ordering, decorators).
+
+    Shared state: the first `PartialState()` in a process discovers the job (collective: every
+    process must create it) and later instances share the result.
+
+    Args:
+        cpu: run on the CPU even when GPUs are visible.
+        **kwargs: `InitProcessGroupKwargs(...).to_kwargs()`: backend, init_method, timeout.
+    """
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        self.__dict__ = self._shared_state
+        unknown = set(kwargs) - _PROCESS_GROUP_KEYS
+        if unknown:
+            raise TypeError(
+                f"PartialState got unexpected keyword argument(s) {sorted(unknown)}; it takes "
+                f"cpu and the InitProcessGroupKwargs fields {sorted(_PROCESS_GROUP_KEYS)}"
+            )
+        cpu = bool(cpu) or _env.get_bool("use_cpu", False)
+        if self.initialized:
+            self._check_same(cpu)
+            return
+        pg = InitProcessGroupKwargs(**kwargs)
+        timeout = pg.timeout
+        env_timeout = _env.get_float("timeout")
+        default_timeout = (
+            timeout.total_seconds() if timeout else env_timeout or DEFAULT_TIMEOUT
+        )
+        found = _discover(default_timeout)
+        found.comm.default_timeout = default_timeout  # type: ignore[attr-defined]
+        info = found.info
+        self._cpu = cpu
+        self._discovery = found
+        self.process_info = info
+        self.comm = found.comm
+        self.default_timeout = default_timeout
+        self.device = current_device(cpu, info.local_process_index, info.local_num_processes)
+        self.debug = _env.get_bool("debug", False)
+        self.fork_launched = False
+        if info.num_processes == 1:
+            self.distributed_type = DistributedType.NO
+        elif self.device.type == "cuda":
+            self.distributed_type = DistributedType.MULTI_GPU
+        else:
+            self.distributed_type = DistributedType.MULTI_CPU
+        _limit_threads(info)
+        _install_abort_hook(info, self.comm)
+        self.backend = distributed.init_process_group(
+            self.comm, info, self.device, pg.backend, pg.init_method, timeout
+        )
+
+    def _check_same(self, cpu: bool) -> None:
+        if cpu and self.device.type != "cpu":
+            raise ConfigurationError(
+                f"the state was already initialised on {self.device}; cpu=True cannot move it",
+                "pass cpu=True to the first PartialState()/Accelerator() of the script.",
+            )
+
+    def __repr__(self) -> str:
+        if not self.initialized:
+            return "PartialState(uninitialised)"
+        return (
+            f"Distributed environment: {self.distributed_type}\n"
+            f"Num processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\n"
+            f"Node index: {self.node_index} of {self.num_nodes}\n"
+            f"Device: {self.device}\n"
+            f"Launcher: {self._discovery.launcher.name}\n"
+        )
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Forget the configuration (tests). Discovery and the process group are kept."""
+        PartialState._shared_state.clear()
+
+    # -- facts ---------------------------------------------------------------------------------
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+    @property
+    def num_processes(self) -> int:
+        return self.process_info.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.process_info.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.process_info.local_process_index
+
+    @property
+    def local_num_processes(self) -> int:
+        return self.process_info.local_num_processes
+
+    @property
+    def node_index(self) -> int:
+        return self.process_info.node_index
+
+    @property
+    def num_nodes(self) -> int:
+        return self.process_info.num_nodes
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_info.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.process_info.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_info.is_last_process
+
+    @property
+    def mixed_precision(self) -> str:
+        return AcceleratorState._shared_state.get("_mixed_precision", "no")
+
+    @property
+    def default_device(self) -> torch.device:
+        return self.device
+
+    def set_device(self) -> None:
+        """Make this process's device the current CUDA device (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    # -- process control -----------------------------------------------------------------------
+
+    def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
+        """Collective: every rank must call it. Returns once all ranks have arrived.
+
+        Runs over MPI on the host (no GPU sync). After `timeout` (default: the state's, 30 min
+        unless InitProcessGroupKwargs(timeout=) or MPACCEL_TIMEOUT say otherwise) it raises
+        CollectiveTimeoutError naming the ranks that never arrived. Signals are handled while
+        waiting.
+        """
+        limit = as_timedelta(timeout)
+        self.comm.barrier("wait_for_everyone", None if limit is None else limit.total_seconds())
+
+    @contextmanager
+    def _goes_first(self, is_main: bool, what: str) -> Iterator[None]:
+        # Two gates. A gate is an agreement: if the side that ran first failed, everyone raises
+        # the same CollectiveError instead of the others going ahead or waiting forever.
+        if not is_main:
+            self.comm.agree(None, what)
+        error: Exception | None = None
+        try:
+            yield
+        except Exception as exc:
+            error = exc
+        if is_main:
+            self.comm.agree(error, what)
+            self.comm.agree(None, what)
+        else:
+            self.comm.agree(error, what)
+
+    @contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Collective. The main process runs the block first; the others enter after it leaves.
+
+        If the block fails on any rank, every rank raises the same CollectiveError.
+        """
+        with self._goes_first(self.is_main_process, "main_process_first"):
+            yield
+
+    @contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Collective. Each node's local main process runs the block first, then the others."""
+        with self._goes_first(self.is_local_main_process, "local_main_process_first"):
+            yield
+
+    @contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Not collective. Yields this process's contiguous share of `inputs` (list, tuple, dict
+        of those, tensor, numpy array, datasets.Dataset); see `mpaccel.split.split_inputs`."""
+        yield split_inputs(inputs, self.process_index, self.num_processes, apply_padding)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the local main process only: once per node."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    # -- decorators (not collective; the check happens at call time) ---------------------------
+
+    def _run_if(self, function: Callable | None, condition: Callable[[], bool]) -> Callable:
+        if function is None:
+            return functools.partial(self._run_if, condition=condition)
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if condition():
+                return function(*args, **kwargs)
+            return None
+
+        return wrapper
+
+    def on_main_process(self, function: Callable | None = None) -> Callable:
+        """Decorator: run the function on the main process only (elsewhere it returns None)."""
+        return self._run_if(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable | None = None) -> Callable:
+        """Decorator: run the function on each node's local main process only."""
+        return self._run_if(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable | None = None) -> Callable:
+        """Decorator: run the function on the last process only."""
+        return self._run_if(function, lambda: self.is_last_process)
+
+    def on_process(
+        self, function: Callable | int | None = None, process_index: Optional[int] = None
+    ) -> Callable:
+        """Decorator: run the function on the process with global index `process_index`."""
+        if isinstance(function, int) and not isinstance(function, bool):
+            function, process_index = None, function
+        index = _required_index(process_index, "on_process", "process_index")
+        return self._run_if(function, lambda: self.process_index == index)  # type: ignore[arg-type]
+
+    def on_local_process(
+        self,
+        function: Callable | int | None = None,
+        local_process_index: Optional[int] = None,
+        *,
+        local_process_idx: Optional[int] = None,
+    ) -> Callable:
+        """Decorator: run the function on the process with this local index on every node.
+
+        `local_process_idx=` is accepted as an alias (Accelerate's guides use both)."""
+        if isinstance(function, int) and not isinstance(function, bool):
+            function, local_process_index = None, function
+        if local_process_index is None:
+            local_process_index = local_process_idx
+        index = _required_index(local_process_index, "on_local_process", "local_process_index")
+        return self._run_if(function, lambda: self.local_process_index == index)  # type: ignore[arg-type]
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Destroy `group`, or the default torch.distributed group when None."""
+        distributed.destroy_process_group(group)
+        if group is None:
+            self._shared_state["backend"] = None
+
+
+def _required_index(value: Optional[int], method: str, name: str) -> int:
+    if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(
+            f"{method}() needs {name}=<int >= 0>, got {value!r}",
+            f"use it as @state.{method}({name}=0).",
+        )
+    return value
+
+
+_MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+
+
+class AcceleratorState:
+    """PartialState plus the training configuration (mixed precision, plugins). Shared state.
+
+    Process facts and process control are PartialState's, reached through this object.
+    """
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(
+        self,
+        mixed_precision: Optional[str] = None,
+        cpu: bool = False,
+        dynamo_plugin: Any = None,
+        deepspeed_plugin: Any = None,
+        fsdp_plugin: Any = None,
+        megatron_lm_plugin: Any = None,
+        _from_accelerator: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.__dict__ = self._shared_state
+        for name, plugin in (
+            ("deepspeed_plugin", deepspeed_plugin),
+            ("fsdp_plugin", fsdp_plugin),
+            ("megatron_lm_plugin", megatron_lm_plugin),
+        ):
+            if plugin is not None:
+                raise ConfigurationError(
+                    f"mpaccel does not drive {name.split('_plugin')[0]}; got {name}={plugin!r}",
+                    "mpaccel trains with DistributedDataParallel; drop the plugin.",
+                )
+        requested = mixed_precision or _env.get("mixed_precision")
+        if requested is not None:
+            requested = str(requested).lower()
+            if requested not in _MIXED_PRECISION:
+                raise ConfigurationError(
+                    f"mixed_precision={mixed_precision!r} is not one of {_MIXED_PRECISION}"
+                )
+            if requested == "fp8":
+                raise ConfigurationError(
+                    "mixed_precision='fp8' needs Transformer Engine / MS-AMP on recent GPUs, "
+                    "which mpaccel does not drive",
+                    "use 'bf16' or 'fp16'.",
+                )
+        partial = PartialState(cpu, **kwargs)
+        if self.initialized:
+            if requested is not None and requested != self._mixed_precision:
+                raise ConfigurationError(
+                    f"AcceleratorState was already initialised with "
+                    f"mixed_precision={self._mixed_precision!r} and cannot switch to "
+                    f"{requested!r}",
+                    "create the Accelerator once, or call AcceleratorState._reset_state() first.",
+                )
+            if _from_accelerator:
+                self._from_accelerator = True
+            return
+        self._partial = partial
+        self._mixed_precision = requested or "no"
+        self.dynamo_plugin = dynamo_plugin
+        self.deepspeed_plugins: dict[str, Any] = {}
+        self.fsdp_plugin = None
+        self.megatron_lm_plugin = None
+        self._from_accelerator = _from_accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this class lacks: the process facts and process control.
+        if name.startswith("__") or name == "_partial" or "_partial" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._partial, name)
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._mixed_precision
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return None
+
+    def get_deepspeed_plugin(self, name: str) -> Any:
+        """The DeepSpeed plugin registered under `name` (mpaccel registers none)."""
+        try:
+            return self.deepspeed_plugins[name]
+        except KeyError:
+            raise ConfigurationError(
+                f"no DeepSpeed plugin named {name!r}: mpaccel does not drive DeepSpeed"
+            ) from None
+
+    def select_deepspeed_plugin(self, name: Optional[str] = None) -> None:
+        """Activate the DeepSpeed plugin `name` (mpaccel registers none)."""
+        self.get_deepspeed_plugin(name)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        AcceleratorState._shared_state.clear()
+        if reset_partial_state:
+            PartialState._reset_state()
+
+
+class GradientState:
+    """Gradient synchronisation state for accumulation (shared state)."""
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(self, gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None):
+        self.__dict__ = self._shared_state
+        if not self.initialized:
+            self.sync_gradients = True
+            self.active_dataloader = None
+            self.dataloader_references: list[Any] = [None]
+            self.plugin_kwargs: dict[str, Any] = {}
+            self._is_xla_gradients_synced = False
+        if gradient_accumulation_plugin is not None:
+            self.plugin_kwargs = {
+                "num_steps": gradient_accumulation_plugin.num_steps or 1,
+                "adjust_scheduler": gradient_accumulation_plugin.adjust_scheduler,
+                "sync_with_dataloader": gradient_accumulation_plugin.sync_with_dataloader,
+                "sync_each_batch": gradient_accumulation_plugin.sync_each_batch,
+            }
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+    @property
+    def num_steps(self) -> int:
+        return self.plugin_kwargs.get("num_steps", 1)
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        return self.plugin_kwargs.get("adjust_scheduler", False)
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        return self.plugin_kwargs.get("sync_with_dataloader", True)
+
+    @property
+    def sync_each_batch(self) -> bool:
+        return self.plugin_kwargs.get("sync_each_batch", False)
+
+    @property
+    def in_dataloader(self) -> bool:
+        return self.active_dataloader is not None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        if not self.in_dataloader:
+            return False
+        return bool(getattr(self.active_dataloader, "end_of_dataloader", False))
+
+    @property
+    def remainder(self) -> int:
+        if not self.in_dataloader:
+            return -1
+        return int(getattr(self.active_dataloader, "remainder", -1))
+
+    @property
+    def is_xla_gradients_synced(self) -> bool:
+        """Always False: mpaccel has no XLA path (kept for code that reads it)."""
+        return self._is_xla_gradients_synced
+
+    @is_xla_gradients_synced.setter
+    def is_xla_gradients_synced(self, value: bool) -> None:
+        self._is_xla_gradients_synced = value
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        self.sync_gradients = sync_gradients
+
+    def _add_dataloader(self, dataloader: Any) -> None:
+        self.active_dataloader = dataloader
+        self.dataloader_references.append(dataloader)
+
+    def _remove_dataloader(self, dataloader: Any) -> None:
+        self.dataloader_references.remove(dataloader)
+        self.active_dataloader = self.dataloader_references[-1]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sync Gradients: {self.sync_gradients}\n"
+            f"At end of current dataloader: {self.end_of_dataloader}\n"
+            f"Extra samples added: {self.remainder}\n"
+            f"Gradient accumulation plugin: {self.plugin_kwargs}\n"
+        )
+
+    @staticmethod
+    def _reset_state() -> None:
+        GradientState._shared_state.clear()

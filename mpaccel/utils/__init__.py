@@ -1,0 +1,19 @@
+"""Utilities with Accelerate's module paths: `mpaccel.utils.InitProcessGroupKwargs`, ..."""
+
+from .dataclasses import (
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProjectConfiguration,
+)
+
+__all__ = [
+    "DataLoaderConfiguration",
+    "DistributedType",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "ProjectConfiguration",
+]

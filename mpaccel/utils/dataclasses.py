@@ -1,0 +1,158 @@
+"""Configuration objects with Accelerate's names. Unknown keys are rejected, by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+from ..errors import ConfigurationError
+
+
+class DistributedType(str, enum.Enum):
+    """Kinds of distributed set-up, as Accelerate names them. mpaccel itself produces NO,
+    MULTI_CPU (gloo) and MULTI_GPU (NCCL); the other names exist so code comparing against them
+    keeps working."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_HPU = "MULTI_HPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class KwargsHandler:
+    """Base of the kwargs dataclasses: `to_kwargs()` returns the fields changed from defaults."""
+
+    def to_kwargs(self) -> dict[str, Any]:
+        default = type(self)()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if getattr(self, f.name) != getattr(default, f.name)
+        }
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        known = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        if name not in known:
+            raise AttributeError(
+                f"{type(self).__name__} has no field {name!r}; known fields: {sorted(known)}"
+            )
+        super().__setattr__(name, value)
+
+
+def as_timedelta(value: Any, what: str = "timeout") -> Optional[timedelta]:
+    """None, a timedelta, or a number of seconds -> timedelta (positive)."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        result = value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = timedelta(seconds=value)
+    else:
+        raise ConfigurationError(
+            f"{what} must be a datetime.timedelta or a number of seconds, got {value!r}",
+            f"for example {what}=timedelta(minutes=10) or {what}=600.",
+        )
+    if result.total_seconds() <= 0:
+        raise ConfigurationError(f"{what} must be positive, got {value!r}")
+    return result
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """Arguments for the torch.distributed process group mpaccel creates.
+
+    backend: None picks NCCL on GPUs and gloo on CPU. init_method: None lets mpaccel broker the
+    rendezvous over MPI (recommended); a URL is passed through. timeout: also the default
+    deadline of mpaccel's own barriers (wait_for_everyone, triggers).
+    """
+
+    backend: Optional[str] = None
+    init_method: Optional[str] = None
+    timeout: Optional[timedelta] = None
+
+    def __post_init__(self) -> None:
+        self.timeout = as_timedelta(self.timeout)
+        if self.backend is not None and self.backend not in ("gloo", "nccl", "mpi"):
+            raise ConfigurationError(
+                f"InitProcessGroupKwargs(backend={self.backend!r}) is not a backend mpaccel runs",
+                "use 'nccl' (GPUs), 'gloo' (CPU) or leave it None to let mpaccel choose.",
+            )
+
+
+@dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    """How gradient accumulation behaves (see Accelerator(gradient_accumulation_plugin=...)).
+
+    num_steps: micro-batches per optimizer step. adjust_scheduler: step the LR scheduler once per
+    optimizer step, not per micro-batch. sync_with_dataloader: force a sync (and a step) at the
+    end of the dataloader. sync_each_batch: all-reduce gradients on every micro-batch (less
+    memory, more communication).
+    """
+
+    num_steps: Optional[int] = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_steps is not None and (
+            isinstance(self.num_steps, bool)
+            or not isinstance(self.num_steps, int)
+            or self.num_steps < 1
+        ):
+            raise ConfigurationError(
+                f"GradientAccumulationPlugin(num_steps={self.num_steps!r}) must be an int >= 1"
+            )
+
+
+@dataclass
+class DataLoaderConfiguration(KwargsHandler):
+    """How prepared dataloaders are sharded (see the training docs)."""
+
+    split_batches: bool = False
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    non_blocking: bool = False
+    data_seed: Optional[int] = None
+
+
+@dataclass
+class ProjectConfiguration(KwargsHandler):
+    """Where checkpoints go, and how many are kept."""
+
+    project_dir: Optional[str] = None
+    logging_dir: Optional[str] = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: Optional[int] = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def __post_init__(self) -> None:
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+        if self.total_limit is not None and self.total_limit < 1:
+            raise ConfigurationError(
+                f"ProjectConfiguration(total_limit={self.total_limit!r}) must be >= 1 or None"
+            )
+
+    def set_directories(self, project_dir: Optional[str] = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+
