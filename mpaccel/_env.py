@@ -134,3 +134,20 @@ def get_bool(logical: str, default: bool, env: Mapping[str, str] | None = None) 
         f"environment variable {source_name(logical, env)}={value!r} is not a boolean "
         "(use 1/0, true/false, yes/no or on/off)"
     )
+
+
+def child_environment(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of this process's environment for a child process, with `overrides` applied."""
+    env = dict(os.environ)
+    env.update(overrides or {})
+    return env
+
+
+def rank_before_init(env: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank by its launcher's variables (before MPI_Init), or None."""
+    for logical in ("pmi_rank", "ompi_world_rank", "pmix_rank", "slurm_procid"):
+        value = get_int(logical, env)
+        if value is not None:
+            return value
+    return None
+

@@ -20,11 +20,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .errors import CollectiveError, CollectiveTimeoutError, MpaccelError, RankFailure
+from .errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    MpaccelError,
+    PeerFailedError,
+    RankFailure,
+)
 
 # Tags on the diagnostics communicator (a duplicate, so user traffic never matches ours).
 _TAG_QUERY = 7301
 _TAG_REPLY = 7302
+_TAG_ALERT = 7303
 
 _SPIN_SECONDS = 2e-3  # busy-test this long before sleeping: covers a barrier everyone is at
 _MAX_SLEEP = 2e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
@@ -35,6 +42,57 @@ _OPS = {"max", "min", "sum"}
 def _failure_of(rank: int, host: str, exc: BaseException) -> RankFailure:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return RankFailure(rank, host, type(exc).__name__, str(exc), tb)
+
+
+class Alerts:
+    """Out-of-band "rank r failed" notices, so ranks waiting in a collective that the failed rank
+    will never join can give up at once. Used by the pytest plugin; off otherwise."""
+
+    def __init__(self, world: Any) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = world.Dup()
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+        self._pending: list[Any] = []
+        self._seen: dict[int, int] = {}
+
+    def post(self, text: str) -> None:
+        """Not collective: tell every other rank that this one failed."""
+        for r in range(self.size):
+            if r != self.rank:
+                self._pending.append(self._comm.isend((self.rank, text), dest=r, tag=_TAG_ALERT))
+
+    def poll(self) -> tuple[int, str] | None:
+        """Not collective: the next alert that arrived, if any."""
+        status = self._MPI.Status()
+        if not self._comm.Iprobe(self._MPI.ANY_SOURCE, _TAG_ALERT, status):
+            return None
+        rank, text = self._comm.recv(source=status.Get_source(), tag=_TAG_ALERT)
+        self._seen[rank] = self._seen.get(rank, 0) + 1
+        return rank, text
+
+    def drain(self, failed_ranks: Sequence[int]) -> None:
+        """Collective in effect: consume exactly one alert from each rank in `failed_ranks`."""
+        for rank in failed_ranks:
+            if rank == self.rank:
+                continue
+            if self._seen.get(rank, 0) > 0:
+                self._seen[rank] -= 1
+            else:
+                self._comm.recv(source=rank, tag=_TAG_ALERT)
+        self._MPI.Request.Waitall(self._pending)
+        self._pending = []
+
+
+_alerts: Alerts | None = None
+
+
+def install_alerts(alerts: Alerts | None) -> None:
+    """Make every MPIComm give up waiting when an alert arrives (pytest plugin)."""
+    global _alerts
+    _alerts = alerts
 
 
 class Comm(Protocol):
@@ -108,16 +166,20 @@ class NullComm:
 class MPIComm:
     """Adapter over an mpi4py communicator (duplicated, so mpaccel's traffic stays apart)."""
 
-    def __init__(self, comm: Any, default_timeout: float = 1800.0) -> None:
+    def __init__(
+        self, comm: Any, default_timeout: float = 1800.0, interruptible: bool = True
+    ) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
+        self._parent = comm
         self._comm = comm.Dup()
         self._diag = comm.Dup()
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
         self.hosts: Sequence[str] = ()
         self.default_timeout = default_timeout
+        self.interruptible = interruptible
         self._seq = 0
         self._current: tuple[str, int] | None = None
         self._broken: str | None = None
@@ -157,12 +219,42 @@ class MPIComm:
         pause = 2e-5
         while not test():
             self._answer_queries()
+            if _alerts is not None and self.interruptible:
+                self._check_alerts(what)
             now = time.monotonic()
             if now >= deadline:
                 self._timed_out(what, limit)
             time.sleep(min(pause, max(deadline - now, 0.0)))
             pause = min(pause * 1.5, _MAX_SLEEP)
         self._current = None
+
+    def _check_alerts(self, what: str) -> None:
+        assert _alerts is not None
+        alert = _alerts.poll()
+        if alert is None:
+            return
+        rank, text = alert
+        self._broken = f"{what} was abandoned because rank {rank} failed"
+        host = self.hosts[rank] if rank < len(self.hosts) else "?"
+        raise PeerFailedError(
+            what,
+            {rank: RankFailure(rank, host, "failure", text, "")},
+            f"this rank was waiting in {what}, which rank {rank} will never join; see rank "
+            f"{rank}'s own report for the cause.",
+        )
+
+    def resync(self) -> None:
+        """Collective over the parent communicator: replace communicators left out of step by an
+        abandoned collective (pytest plugin, between tests). The old ones are leaked on purpose:
+        a pending collective request cannot be cancelled."""
+        self._comm = self._parent.Dup()
+        self._diag = self._parent.Dup()
+        self._broken = None
+        self._current = None
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
 
     def _answer_queries(self) -> None:
         """While waiting, tell any rank that timed out which collective this rank is in."""

@@ -81,6 +81,11 @@ class CollectiveError(MpaccelError):
         return "\n".join(out)
 
 
+class PeerFailedError(CollectiveError):
+    """This rank was waiting in a collective when another rank reported a failure (under the
+    pytest plugin: a failed test); the collective is abandoned instead of waiting forever."""
+
+
 class CollectiveTimeoutError(MpaccelError, TimeoutError):
     """A collective did not complete in time; names the ranks that never arrived."""
 

@@ -60,9 +60,10 @@ def _install_abort_hook(info: ProcessInfo, comm: Comm) -> None:
         lines = [f"{tag} {line}" for line in text.splitlines()]
         lines.append(f"{tag} uncaught {exc_type.__name__}: aborting all ranks (MPI_Abort)")
         try:
-            sys.stderr.write("\n".join(lines) + "\n")
-            sys.stderr.flush()
             sys.stdout.flush()
+            sys.stderr.flush()
+            # Straight to fd 2: sys.stderr may be a wrapper's buffer that MPI_Abort never flushes.
+            os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
         finally:
             comm.abort(1)
 
@@ -130,10 +131,11 @@ class PartialState:
         else:
             self.distributed_type = DistributedType.MULTI_CPU
         _limit_threads(info)
-        _install_abort_hook(info, self.comm)
         self.backend = distributed.init_process_group(
             self.comm, info, self.device, pg.backend, pg.init_method, timeout
         )
+        # After init_process_group: torch wraps sys.excepthook there and buffers its output.
+        _install_abort_hook(info, self.comm)
 
     def _check_same(self, cpu: bool) -> None:
         if cpu and self.device.type != "cpu":

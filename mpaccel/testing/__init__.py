@@ -1,0 +1,5 @@
+"""Testing helpers: the pytest plugin (registered as `mpaccel`) and `run_mpi` for plain pytest."""
+
+from .launch import MPIRun, find_mpiexec, run_mpi
+
+__all__ = ["MPIRun", "find_mpiexec", "run_mpi"]

@@ -1,0 +1,37 @@
+"""`python -m mpaccel.testing.rankio DIR (script.py | -m module) [args]`: run a script or module
+with this rank's stdout and stderr in DIR/rank-R.out and DIR/rank-R.err (used by run_mpi)."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from .._env import rank_before_init
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        raise SystemExit("usage: python -m mpaccel.testing.rankio DIR (script.py | -m module) ...")
+    directory, target = argv[0], argv[1:]
+    rank = rank_before_init() or 0
+    for fd, suffix in ((1, "out"), (2, "err")):
+        handle = os.open(
+            os.path.join(directory, f"rank-{rank}.{suffix}"),
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644,
+        )
+        os.dup2(handle, fd)
+        os.close(handle)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    if target[0] == "-m":
+        sys.argv = [target[1], *target[2:]]
+        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(target)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+        runpy.run_path(target[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
