@@ -1,0 +1,405 @@
+"""Accelerate's process-control API. Every test body here runs at size 1 (plain pytest) and under
+mpiexec -n 2 / -n 4 through the mpaccel pytest plugin."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+
+from mpaccel import (
+    Accelerator,
+    AcceleratorState,
+    CollectiveError,
+    CollectiveTimeoutError,
+    DistributedType,
+    GradientState,
+    PartialState,
+)
+from mpaccel.errors import ConfigurationError
+from mpaccel.split import share_bounds
+from mpaccel.state import PartialState as PartialStateFromModule
+from mpaccel.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+
+def test_module_paths_are_accelerates():
+    assert PartialStateFromModule is PartialState
+    from mpaccel.state import AcceleratorState as A
+    from mpaccel.state import GradientState as G
+
+    assert (A, G) == (AcceleratorState, GradientState)
+
+
+def test_documented_attributes(state, comm):
+    assert state.num_processes == comm.size
+    assert state.process_index == comm.rank
+    assert 0 <= state.local_process_index < state.local_num_processes
+    assert state.is_main_process == (comm.rank == 0)
+    assert state.is_last_process == (comm.rank == comm.size - 1)
+    assert state.is_local_main_process == (state.local_process_index == 0)
+    assert state.device == torch.device("cpu")
+    assert state.mixed_precision == "no"
+    assert state.debug is False
+    assert state.use_distributed == (comm.size > 1)
+    expected = DistributedType.NO if comm.size == 1 else DistributedType.MULTI_CPU
+    assert state.distributed_type == expected
+    assert torch.distributed.is_initialized() == (comm.size > 1)
+    # layout facts agree across ranks
+    layouts = comm.allgather((state.node_index, state.local_process_index, state.num_nodes))
+    assert sorted(i for n, i, _ in layouts if n == state.node_index) == list(
+        range(state.local_num_processes)
+    )
+
+
+def test_shared_state(state):
+    again = PartialState()
+    assert again.__dict__ is state.__dict__
+    assert again.process_index == state.process_index
+    PartialState._reset_state()
+    assert not PartialState().__dict__ is {} and PartialState().initialized
+
+
+def test_unknown_kwarg_is_rejected(state):
+    with pytest.raises(TypeError, match="bogus"):
+        PartialState(bogus=1)
+
+
+def test_init_process_group_kwargs(comm):
+    AcceleratorState._reset_state(True)
+    kwargs = InitProcessGroupKwargs(timeout=timedelta(seconds=77)).to_kwargs()
+    assert kwargs == {"timeout": timedelta(seconds=77)}
+    state = PartialState(**kwargs)
+    assert state.default_timeout == 77
+    AcceleratorState._reset_state(True)
+    with pytest.raises(AttributeError, match="no field 'timeot'"):
+        InitProcessGroupKwargs().timeot = 3  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="positive"):
+        InitProcessGroupKwargs(timeout=-1)
+
+
+def test_accelerator_state_and_mixed_precision(comm):
+    AcceleratorState._reset_state(True)
+    acc_state = AcceleratorState(mixed_precision="bf16")
+    assert acc_state.initialized
+    assert acc_state.mixed_precision == "bf16"
+    assert PartialState().mixed_precision == "bf16"
+    assert acc_state.process_index == comm.rank  # delegated to PartialState
+    with pytest.raises(ConfigurationError, match="cannot switch"):
+        AcceleratorState(mixed_precision="fp16")
+    with pytest.raises(ConfigurationError, match="not one of"):
+        AcceleratorState._reset_state()
+        AcceleratorState(mixed_precision="fp32")
+    with pytest.raises(ConfigurationError, match="DeepSpeed"):
+        AcceleratorState().get_deepspeed_plugin("default")
+    AcceleratorState._reset_state(True)
+
+
+def test_gradient_state_fields():
+    GradientState._reset_state()
+    gs = GradientState(GradientAccumulationPlugin(num_steps=4, adjust_scheduler=False))
+    assert gs.num_steps == 4 and gs.adjust_scheduler is False
+    assert gs.sync_with_dataloader is True and gs.sync_each_batch is False
+    assert gs.sync_gradients is True
+    assert gs.end_of_dataloader is False and gs.remainder == -1
+    assert gs.active_dataloader is None and gs.dataloader_references == [None]
+    assert gs.is_xla_gradients_synced is False
+    assert GradientState().num_steps == 4  # shared
+
+    class Loader:
+        end_of_dataloader = True
+        remainder = 3
+
+    loader = Loader()
+    gs._add_dataloader(loader)
+    assert gs.in_dataloader and gs.end_of_dataloader and gs.remainder == 3
+    gs._remove_dataloader(loader)
+    assert not gs.in_dataloader
+    GradientState._reset_state()
+
+
+def test_accumulation_arguments_are_exclusive():
+    with pytest.raises(ValueError, match="either"):
+        Accelerator(gradient_accumulation_steps=2,
+                    gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+
+
+def test_accelerator_exposes_state(accelerator, comm):
+    assert accelerator.process_index == comm.rank
+    assert accelerator.num_processes == comm.size
+    assert accelerator.device == torch.device("cpu")
+    assert accelerator.is_main_process == (comm.rank == 0)
+    assert accelerator.state.initialized
+    assert isinstance(accelerator.gradient_state, GradientState)
+    assert accelerator.gradient_accumulation_steps == 1
+
+
+def test_decorators(accelerator, comm):
+    calls = []
+
+    @accelerator.on_main_process
+    def main_only():
+        calls.append("main")
+        return "ran"
+
+    @accelerator.on_local_main_process
+    def local_main_only():
+        calls.append("local")
+
+    @accelerator.on_last_process
+    def last_only():
+        calls.append("last")
+
+    @accelerator.on_process(process_index=comm.size - 1)
+    def on_last_index():
+        calls.append("index")
+
+    @accelerator.on_local_process(local_process_idx=0)
+    def on_local_zero():
+        calls.append("local0")
+
+    @accelerator.on_local_process(local_process_index=0)
+    def on_local_zero_long():
+        calls.append("local0b")
+
+    @accelerator.on_main_process()
+    def with_parentheses():
+        calls.append("paren")
+
+    result = main_only()
+    local_main_only()
+    last_only()
+    on_last_index()
+    on_local_zero()
+    on_local_zero_long()
+    with_parentheses()
+    expected = []
+    if comm.rank == 0:
+        expected.append("main")
+    if accelerator.is_local_main_process:
+        expected.append("local")
+    if comm.rank == comm.size - 1:
+        expected += ["last", "index"]
+    if accelerator.local_process_index == 0:
+        expected += ["local0", "local0b"]
+    if comm.rank == 0:
+        expected.append("paren")
+    assert calls == expected
+    assert result == ("ran" if comm.rank == 0 else None)
+    assert main_only.__name__ == "main_only"
+    with pytest.raises(ConfigurationError, match="process_index"):
+        accelerator.on_process()
+
+
+def test_state_decorators_too(state, comm):
+    @state.on_process(process_index=0)
+    def first():
+        return state.process_index
+
+    assert first() == (0 if comm.rank == 0 else None)
+
+
+def test_print_once_per_node(accelerator, capsys):
+    accelerator.print("hello", "node")
+    out = capsys.readouterr().out
+    assert out == ("hello node\n" if accelerator.is_local_main_process else "")
+
+
+def _log_path(mpi_tmp_path):
+    return mpi_tmp_path / "order.log"
+
+
+def _append(path, text):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{text}\n".encode())
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["main", "local_main"])
+def test_goes_first_ordering(accelerator, mpi_tmp_path, comm, local):
+    log = _log_path(mpi_tmp_path)
+    first = accelerator.is_local_main_process if local else accelerator.is_main_process
+    block = accelerator.local_main_process_first if local else accelerator.main_process_first
+    with block():
+        _append(log, f"enter {int(first)}")
+        if first:
+            time.sleep(0.3)  # the others must still wait
+        _append(log, f"exit {int(first)}")
+    accelerator.wait_for_everyone()
+    lines = log.read_text().splitlines()
+    n_first = comm.allreduce(int(first))
+    assert len(lines) == 2 * comm.size
+    # every "first" process enters and leaves before any other process enters
+    assert sorted(lines[: 2 * n_first]) == ["enter 1"] * n_first + ["exit 1"] * n_first
+    assert all(line.endswith(" 0") for line in lines[2 * n_first :])
+
+
+def test_failure_in_main_process_first_is_collective(accelerator, comm):
+    with pytest.raises(CollectiveError) as info:
+        with accelerator.main_process_first():
+            if accelerator.is_main_process:
+                raise FileNotFoundError("weights.pth")
+    assert info.value.failed_ranks == [0]
+    assert "FileNotFoundError: weights.pth" in str(info.value)
+    accelerator.wait_for_everyone()  # still in step afterwards
+
+
+def test_failure_after_main_in_main_process_first(accelerator, comm):
+    with pytest.raises(CollectiveError) as info:
+        with accelerator.main_process_first():
+            if accelerator.is_last_process:
+                raise KeyError("tokenizer")
+    assert info.value.failed_ranks == [comm.size - 1]
+
+
+def test_agree_names_every_failing_rank(state, comm):
+    error = RuntimeError(f"bad {comm.rank}") if comm.rank % 2 else None
+    if comm.size == 1:
+        error = RuntimeError("bad 0")
+    with pytest.raises(CollectiveError) as info:
+        state.comm.agree(error, "unit agreement")
+    expected = [r for r in range(comm.size) if r % 2] or [0]
+    assert info.value.failed_ranks == expected
+    assert all(f"bad {r}" in str(info.value) for r in expected)
+    assert "[rank" in info.value.tracebacks()
+
+
+def test_comm_collectives(state, comm):
+    c = state.comm
+    assert c.allreduce(comm.rank, "max") == comm.size - 1
+    assert c.allreduce(comm.rank, "min") == 0
+    assert c.allreduce(1, "sum") == comm.size
+    assert c.allgather({"r": comm.rank}) == [{"r": r} for r in range(comm.size)]
+    assert c.bcast("from root" if comm.rank == 0 else None) == "from root"
+    assert c.bcast(comm.rank, root=comm.size - 1) == comm.size - 1
+    with pytest.raises(ValueError, match="unknown reduction"):
+        c.allreduce(1, "prod")
+    with pytest.raises(ValueError, match="out of range"):
+        c.bcast(1, root=comm.size)
+
+
+def test_triggers(accelerator, comm):
+    assert accelerator.check_trigger() is False
+    if comm.rank == comm.size - 1:
+        accelerator.set_trigger()
+    assert accelerator.check_trigger() is True
+    assert accelerator.check_trigger() is False  # reset everywhere after being seen
+    for _ in range(3):
+        accelerator.set_trigger()
+    assert accelerator.check_trigger() is True
+    assert accelerator.check_trigger() is False
+
+
+def test_wait_for_everyone(accelerator, comm):
+    if accelerator.is_main_process:
+        time.sleep(0.2)
+    start = time.monotonic()
+    accelerator.wait_for_everyone()
+    waited = time.monotonic() - start
+    if comm.size > 1 and not accelerator.is_main_process:
+        assert waited > 0.1
+    accelerator.wait_for_everyone(timeout=timedelta(seconds=30))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_timeout_names_the_missing_rank(state, comm):
+    late = comm.size - 1
+    if comm.rank == late:
+        time.sleep(2.5)
+        state.wait_for_everyone()  # completes: the others' barrier requests are still posted
+        return
+    with pytest.raises(CollectiveTimeoutError) as info:
+        state.wait_for_everyone(timeout=1.0)
+    assert info.value.missing == [late]
+    assert info.value.arrived == [r for r in range(comm.size) if r != late]
+    assert f"rank(s) {late} (" in str(info.value) and "HINT" in str(info.value)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_signal_handled_while_waiting(state, comm):
+    if comm.rank == 0:
+        seen = []
+        previous = signal.signal(signal.SIGALRM, lambda *_: seen.append(time.monotonic()))
+        try:
+            start = time.monotonic()
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            state.wait_for_everyone()
+            end = time.monotonic()
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+        assert seen, "the handler never ran"
+        assert seen[0] - start < 0.9 < end - start  # ran during the wait, not after it
+    else:
+        time.sleep(1.2)
+        state.wait_for_everyone()
+
+
+@pytest.mark.parametrize(
+    ("inputs", "shares"),
+    [
+        (["A", "B", "C"], {1: [["A", "B", "C"]], 2: [["A", "B"], ["C"]],
+                           4: [["A"], ["B"], ["C"], []]}),
+        (("A", "B", "C", "D", "E"), {1: [("A", "B", "C", "D", "E")], 2: [("A", "B", "C"), ("D", "E")],
+                                     4: [("A", "B"), ("C",), ("D",), ("E",)]}),
+    ],
+)
+def test_split_between_processes_sequences(state, comm, inputs, shares):
+    with state.split_between_processes(inputs) as mine:
+        assert mine == shares[comm.size][comm.rank]
+
+
+def test_split_padding_repeats_last_input(state, comm):
+    n = comm.size
+    with state.split_between_processes(["A", "B", "C"], apply_padding=True) as mine:
+        assert len(mine) == -(-3 // n)
+        gathered = [x for share in comm.allgather(mine) for x in share]
+    assert gathered[:3] == ["A", "B", "C"] or n == 4
+    assert set(gathered) == {"A", "B", "C"} and all(x == "C" for x in gathered[3:] if n != 4)
+    with state.split_between_processes(("A", "B", "C"), apply_padding=True) as mine:
+        assert isinstance(mine, tuple) and len(mine) == -(-3 // n)
+
+
+def test_split_tensors_arrays_and_dicts(state, comm):
+    n, r = comm.size, comm.rank
+    tensor = torch.arange(10).reshape(5, 2)
+    array = np.arange(5)
+    with state.split_between_processes(tensor, apply_padding=True) as t:
+        assert t.shape == (-(-5 // n), 2)
+        rows = comm.allgather(t)
+    for rank, rows_of_rank in enumerate(rows):
+        start, end = share_bounds(5, rank, n)
+        assert torch.equal(rows_of_rank[: end - start], tensor[start:end])
+        assert all(torch.equal(row, tensor[-1]) for row in rows_of_rank[end - start :])
+    with state.split_between_processes(array) as a:
+        assert np.concatenate(comm.allgather(a)).tolist() == list(range(5))
+    data = {"x": [1, 2, 3, 4], "y": torch.tensor([5, 6, 7, 8])}
+    with state.split_between_processes(data) as d:
+        per = 4 // n
+        assert d["x"] == [1, 2, 3, 4][r * per : (r + 1) * per]
+        assert d["y"].tolist() == [5, 6, 7, 8][r * per : (r + 1) * per]
+    with pytest.raises(ValueError, match="same length"):
+        with state.split_between_processes({"x": [1, 2], "y": [1]}):
+            pass
+    with state.split_between_processes([]) as empty:
+        assert empty == []
+
+
+def test_destroy_process_group_is_safe(comm):
+    AcceleratorState._reset_state(True)
+    state = PartialState()
+    state.destroy_process_group()
+    assert not torch.distributed.is_initialized()
+    AcceleratorState._reset_state(True)
+    state = PartialState()  # a new group comes up over MPI again
+    assert torch.distributed.is_initialized() == (comm.size > 1)
+    if comm.size > 1:
+        t = torch.ones(1)
+        torch.distributed.all_reduce(t)
+        assert t.item() == comm.size
+    AcceleratorState._reset_state(True)
