@@ -35,8 +35,8 @@ MUNGE_SOCKET="$DIR/munge/munge.socket"
 MUNGE_KEY="$DIR/munge-key/munge.key"
 RUN="$DIR/run"
 LOG="$DIR/log"
-# Environment marker given to every daemon we start; slurmstepd inherits it from slurmd, so
-# `down` can find leftover step daemons of *this* cluster only.
+# Environment marker given to every daemon we start, so `down` never kills a process that merely
+# reuses a pid from our pid files.
 MARKER="MPACCEL_SLURM_CLUSTER=$DIR"
 
 log() { printf 'cluster.sh: %s\n' "$*" >&2; }
@@ -323,7 +323,14 @@ leftover_stepds() {
     local p
     for p in /proc/[0-9]*; do
         [[ "$(cat "$p/comm" 2>/dev/null)" == slurmstepd ]] || continue
-        grep -qzxF "$MARKER" "$p/environ" 2>/dev/null && echo "${p#/proc/}"
+        # slurmstepd overwrites its environment (process title), but keeps the slurmd log open
+        local fd
+        for fd in "$p"/fd/*; do
+            if [[ "$(readlink "$fd" 2>/dev/null)" == "$LOG"/* ]]; then
+                echo "${p#/proc/}"
+                break
+            fi
+        done
     done
     return 0
 }
@@ -360,11 +367,22 @@ cmd_down() {
         fi
         rm -f "$RUN/$name.pid"
     done
-    for pid in $(leftover_stepds); do
-        log "killing leftover slurmstepd $pid"
-        pkill -KILL -s "$(ps -o sid= -p "$pid" | tr -d ' ')" 2>/dev/null || true
-        kill -KILL "$pid" 2>/dev/null || true
-    done
+    local stepds
+    stepds="$(leftover_stepds)"
+    if [[ -n "$stepds" ]]; then
+        # slurmstepd and every process below it (the job's tasks), found through parent pids
+        local victims
+        victims="$(ps -eo pid=,ppid= | awk -v roots="$stepds" '
+            BEGIN { n = split(roots, r, /[ \n]+/); for (i = 1; i <= n; i++) if (r[i] != "") keep[r[i]] = 1 }
+            { parent[$1] = $2 }
+            END { do { changed = 0
+                       for (p in parent) if (!(p in keep) && (parent[p] in keep)) { keep[p] = 1; changed = 1 }
+                  } while (changed)
+                  for (p in keep) print p }')"
+        log "killing leftover slurmstepd processes and their tasks: $(echo $victims)"
+        # shellcheck disable=SC2086
+        kill -KILL $victims 2>/dev/null || true
+    fi
     rm -f "$RUN"/*.daemon.pid "$MUNGE_SOCKET" "$MUNGE_SOCKET.lock"
     if ((stopped)); then log "down: stopped $stopped daemons from $DIR"; else log "down: nothing running in $DIR"; fi
 }
