@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest._io import TerminalWriter
 
 from .. import _env
 from ..environments import detect_launcher
 
 DEFAULT_TIMEOUT = 300.0
 _KEY = pytest.StashKey["_MPISession"]()
+_stderr_fd = 2  # the terminal's stderr, saved before pytest's fd capture replaces fd 2
 
 
 def _world_size_from_launcher() -> int:
@@ -91,7 +93,7 @@ class _Watchdog:
             "were waiting for the others; raise the limit with --mpi-timeout=SECONDS, "
             "@pytest.mark.mpi_timeout(SECONDS) or MPACCEL_TEST_TIMEOUT.",
         ]
-        os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
+        os.write(_stderr_fd, ("\n".join(lines) + "\n").encode(errors="replace"))
         time.sleep(2.0)  # let the other ranks' watchdogs print their stacks too
         self._abort(124)
 
@@ -195,6 +197,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("mpi_timeout", "per-test deadline in seconds under MPI", default=None)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> Iterator[None]:
+    global _stderr_fd
+    if _world_size_from_launcher() > 1 and _stderr_fd == 2:
+        _stderr_fd = os.dup(2)  # outermost wrapper: runs before capture starts
+    return (yield)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
@@ -212,7 +222,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.basetemp = str(session.base / f"rank-{session.rank}")
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     mpi = _session(session.config)
     if mpi is None or mpi.rank == 0:
@@ -220,6 +230,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
+        # Its own sessionstart (the header) still runs in this hook call: silence it first.
+        if hasattr(reporter, "_tw"):
+            reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115
         config.pluginmanager.unregister(reporter)
     cache = getattr(config, "cache", None)
     if cache is not None:
