@@ -1,4 +1,4 @@
-"""mpaccel: Hugging Face Accelerate's process API for jobs launched by mpiexec, mpirun, srun or python.
+"""mpaccel: Accelerate's process API for jobs launched by mpiexec, mpirun, srun or plain python.
 
 Importing mpaccel has no side effects: MPI is initialised, and torch.distributed set up, by the
 first `PartialState()` / `Accelerator()`.

@@ -150,4 +150,3 @@ def rank_before_init(env: Mapping[str, str] | None = None) -> int | None:
         if value is not None:
             return value
     return None
-

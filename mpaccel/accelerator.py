@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -22,7 +22,7 @@ from .utils.dataclasses import (
 )
 
 
-def _handlers_by_type(handlers: Optional[Iterable[KwargsHandler]]) -> dict[type, KwargsHandler]:
+def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, KwargsHandler]:
     known = (InitProcessGroupKwargs,)
     found: dict[type, KwargsHandler] = {}
     for handler in handlers or ():
@@ -48,22 +48,22 @@ class Accelerator:
         self,
         device_placement: bool = True,
         split_batches: bool = False,
-        mixed_precision: Optional[str] = None,
+        mixed_precision: str | None = None,
         gradient_accumulation_steps: int = 1,
         cpu: bool = False,
-        dataloader_config: Optional[DataLoaderConfiguration] = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
         deepspeed_plugin: Any = None,
         fsdp_plugin: Any = None,
         megatron_lm_plugin: Any = None,
-        rng_types: Optional[list[str]] = None,
+        rng_types: list[str] | None = None,
         log_with: Any = None,
-        project_dir: Optional[str] = None,
-        project_config: Optional[ProjectConfiguration] = None,
-        gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
+        project_dir: str | None = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         step_scheduler_with_optimizer: bool = True,
-        kwargs_handlers: Optional[list[KwargsHandler]] = None,
+        kwargs_handlers: list[KwargsHandler] | None = None,
         dynamo_backend: Any = None,
-        even_batches: Optional[bool] = None,
+        even_batches: bool | None = None,
     ) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError(
@@ -98,7 +98,7 @@ class Accelerator:
             fsdp_plugin=fsdp_plugin,
             megatron_lm_plugin=megatron_lm_plugin,
             _from_accelerator=True,
-            **pg.to_kwargs(),  # type: ignore[arg-type]
+            **pg.to_kwargs(),
         )
         self.gradient_state = GradientState(gradient_accumulation_plugin)
         self.device_placement = device_placement
@@ -177,11 +177,11 @@ class Accelerator:
         self.dataloader_config.even_batches = value
 
     @property
-    def project_dir(self) -> Optional[str]:
+    def project_dir(self) -> str | None:
         return self.project_configuration.project_dir
 
     @property
-    def logging_dir(self) -> Optional[str]:
+    def logging_dir(self) -> str | None:
         return self.project_configuration.logging_dir
 
     @property
@@ -228,26 +228,26 @@ class Accelerator:
         """print() once per node (on each local main process)."""
         self._partial.print(*args, **kwargs)
 
-    def on_main_process(self, function: Optional[Callable] = None) -> Callable:
+    def on_main_process(self, function: Callable | None = None) -> Callable:
         return self._partial.on_main_process(function)
 
-    def on_local_main_process(self, function: Optional[Callable] = None) -> Callable:
+    def on_local_main_process(self, function: Callable | None = None) -> Callable:
         return self._partial.on_local_main_process(function)
 
-    def on_last_process(self, function: Optional[Callable] = None) -> Callable:
+    def on_last_process(self, function: Callable | None = None) -> Callable:
         return self._partial.on_last_process(function)
 
     def on_process(
-        self, function: Optional[Callable] = None, process_index: Optional[int] = None
+        self, function: Callable | None = None, process_index: int | None = None
     ) -> Callable:
         return self._partial.on_process(function, process_index)
 
     def on_local_process(
         self,
-        function: Optional[Callable] = None,
-        local_process_index: Optional[int] = None,
+        function: Callable | None = None,
+        local_process_index: int | None = None,
         *,
-        local_process_idx: Optional[int] = None,
+        local_process_idx: int | None = None,
     ) -> Callable:
         return self._partial.on_local_process(
             function, local_process_index, local_process_idx=local_process_idx

@@ -326,9 +326,7 @@ class MPIComm:
         counts = sizes.tolist()
         request = self._comm.Iallgatherv(payload, [out, counts, offsets.tolist(), self._MPI.BYTE])
         self._wait(request, what, timeout)
-        return [
-            pickle.loads(out[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), counts)
-        ]
+        return [pickle.loads(out[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), counts)]
 
     def bcast(self, obj: Any, root: int = 0, what: str = "bcast", timeout=None) -> Any:
         if not 0 <= root < self.size:

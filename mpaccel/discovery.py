@@ -1,4 +1,4 @@
-"""Process discovery: launcher variables (read before MPI_Init) + the MPI communicator -> ProcessInfo.
+"""Process discovery: launcher variables (read before MPI_Init) + MPI communicator -> ProcessInfo.
 
 Every rank computes the same verdict from the same gathered facts, so a launch mistake raises the
 same LaunchError everywhere, with no extra collective and no hang.
@@ -39,7 +39,7 @@ class Discovery:
 
 
 def load_mpi(launcher: Launcher) -> Any | None:
-    """Import mpi4py.MPI (this calls MPI_Init). None when no MPI library exists and none is needed."""
+    """Import mpi4py.MPI (this calls MPI_Init); None when there is no MPI and none is needed."""
     try:
         from mpi4py import MPI
     except ImportError as exc:  # mpi4py present but no libmpi, or mpi4py missing
@@ -81,8 +81,9 @@ def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) 
     MPI = load_mpi(launcher)
     if MPI is None:
         comm: Comm = NullComm(host, default_timeout)
-        return Discovery(ProcessInfo.single(host), launcher, comm, "no MPI library", None,
-                         slurm, (host,))
+        return Discovery(
+            ProcessInfo.single(host), launcher, comm, "no MPI library", None, slurm, (host,)
+        )
     library = MPI.Get_library_version().strip()
     version = MPI.Get_version()
     world = MPI.COMM_WORLD
@@ -92,8 +93,9 @@ def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) 
     if world.Get_size() == 1:
         comm = NullComm(host, default_timeout)
         notes = allocation_warnings(slurm, launcher, 1)
-        return Discovery(ProcessInfo.single(host), launcher, comm, library, version, slurm,
-                         (host,), tuple(notes))
+        return Discovery(
+            ProcessInfo.single(host), launcher, comm, library, version, slurm, (host,), tuple(notes)
+        )
 
     mpi_comm = MPIComm(world, default_timeout)
     key = launcher.node_key()

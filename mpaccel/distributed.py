@@ -29,7 +29,9 @@ def interface_address(ifname: str) -> str:
     """IPv4 address of a network interface (Linux), e.g. 'ib0' -> '10.1.2.3'."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname[:15].encode()))
+            packed = fcntl.ioctl(
+                s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname[:15].encode())
+            )
         except OSError as exc:
             names = ", ".join(name for _, name in socket.if_nameindex())
             raise LaunchError(
@@ -112,8 +114,11 @@ def init_process_group(
     chosen = backend_for(device, backend)
     if is_initialized():
         return dist.get_backend()
-    kwargs: dict[str, Any] = {"backend": chosen, "rank": info.process_index,
-                              "world_size": info.num_processes}
+    kwargs: dict[str, Any] = {
+        "backend": chosen,
+        "rank": info.process_index,
+        "world_size": info.num_processes,
+    }
     if timeout is not None:
         kwargs["timeout"] = timeout
     if device.type == "cuda":
@@ -129,8 +134,9 @@ def init_process_group(
     if info.is_main_process:
         try:
             host = choose_master_addr(info)
-            store = dist.TCPStore(host, 0, info.num_processes, True, store_timeout,
-                                  wait_for_workers=False)
+            store = dist.TCPStore(
+                host, 0, info.num_processes, True, store_timeout, wait_for_workers=False
+            )
             endpoint = (host, store.port)
         except Exception as exc:
             error = exc

@@ -1,4 +1,4 @@
-"""mpaccel's exceptions. Every message says what went wrong and ends with a HINT the user can act on."""
+"""mpaccel's exceptions. Each message says what went wrong and ends with a HINT to act on."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class CollectiveError(MpaccelError):
 
     def tracebacks(self) -> str:
         """Each failing rank's traceback, every line tagged with its rank."""
-        out = []
+        out: list[str] = []
         for failure in self.failures.values():
             out.extend(f"[rank {failure.rank}] {line}" for line in failure.traceback.splitlines())
         return "\n".join(out)

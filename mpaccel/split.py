@@ -1,4 +1,4 @@
-"""split_between_processes: this process's contiguous share of a list, tuple, dict, tensor or array."""
+"""split_between_processes: this process's contiguous share of a list, tuple, dict or tensor."""
 
 from __future__ import annotations
 
@@ -45,8 +45,10 @@ def _pad(share: Any, last: Any, missing: int) -> Any:
 def _split_one(value: Any, index: int, count: int, apply_padding: bool) -> Any:
     length = _length(value)
     start, end = share_bounds(length, index, count)
-    if hasattr(value, "select") and not isinstance(value, (list, tuple)) and not hasattr(
-        value, "shape"
+    if (
+        hasattr(value, "select")
+        and not isinstance(value, (list, tuple))
+        and not hasattr(value, "shape")
     ):
         share = value.select(range(start, end))  # datasets.Dataset and friends
         if apply_padding and length:

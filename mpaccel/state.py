@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -110,9 +110,7 @@ class PartialState:
         pg = InitProcessGroupKwargs(**kwargs)
         timeout = pg.timeout
         env_timeout = _env.get_float("timeout")
-        default_timeout = (
-            timeout.total_seconds() if timeout else env_timeout or DEFAULT_TIMEOUT
-        )
+        default_timeout = timeout.total_seconds() if timeout else env_timeout or DEFAULT_TIMEOUT
         found = _discover(default_timeout)
         found.comm.default_timeout = default_timeout  # type: ignore[attr-defined]
         info = found.info
@@ -304,7 +302,7 @@ class PartialState:
         return self._run_if(function, lambda: self.is_last_process)
 
     def on_process(
-        self, function: Callable | int | None = None, process_index: Optional[int] = None
+        self, function: Callable | int | None = None, process_index: int | None = None
     ) -> Callable:
         """Decorator: run the function on the process with global index `process_index`."""
         if isinstance(function, int) and not isinstance(function, bool):
@@ -315,9 +313,9 @@ class PartialState:
     def on_local_process(
         self,
         function: Callable | int | None = None,
-        local_process_index: Optional[int] = None,
+        local_process_index: int | None = None,
         *,
-        local_process_idx: Optional[int] = None,
+        local_process_idx: int | None = None,
     ) -> Callable:
         """Decorator: run the function on the process with this local index on every node.
 
@@ -336,7 +334,7 @@ class PartialState:
             self._shared_state["backend"] = None
 
 
-def _required_index(value: Optional[int], method: str, name: str) -> int:
+def _required_index(value: int | None, method: str, name: str) -> int:
     if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigurationError(
             f"{method}() needs {name}=<int >= 0>, got {value!r}",
@@ -358,7 +356,7 @@ class AcceleratorState:
 
     def __init__(
         self,
-        mixed_precision: Optional[str] = None,
+        mixed_precision: str | None = None,
         cpu: bool = False,
         dynamo_plugin: Any = None,
         deepspeed_plugin: Any = None,
@@ -404,7 +402,7 @@ class AcceleratorState:
                 self._from_accelerator = True
             return
         self._partial = partial
-        self._mixed_precision = requested or "no"
+        self._mixed_precision: str = requested or "no"
         self.dynamo_plugin = dynamo_plugin
         self.deepspeed_plugins: dict[str, Any] = {}
         self.fsdp_plugin = None
@@ -438,7 +436,7 @@ class AcceleratorState:
                 f"no DeepSpeed plugin named {name!r}: mpaccel does not drive DeepSpeed"
             ) from None
 
-    def select_deepspeed_plugin(self, name: Optional[str] = None) -> None:
+    def select_deepspeed_plugin(self, name: str | None = None) -> None:
         """Activate the DeepSpeed plugin `name` (mpaccel registers none)."""
         self.get_deepspeed_plugin(name)  # type: ignore[arg-type]
 
@@ -457,7 +455,7 @@ class GradientState:
 
     _shared_state: dict[str, Any] = {}
 
-    def __init__(self, gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None):
+    def __init__(self, gradient_accumulation_plugin: GradientAccumulationPlugin | None = None):
         self.__dict__ = self._shared_state
         if not self.initialized:
             self.sync_gradients = True

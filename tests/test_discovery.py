@@ -74,14 +74,23 @@ def test_process_info_is_frozen_and_validated():
         ({"PMI_SIZE": "2", "PMI_RANK": "0"}, PMILauncher, 2),
         # hydra inside a Slurm allocation: the step variables describe hydra's proxies
         (
-            {"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
-             "PMI_SIZE": "8", "MPI_LOCALRANKID": "3"},
+            {
+                "SLURM_JOB_ID": "7",
+                "SLURM_STEP_NUM_TASKS": "2",
+                "SLURM_PROCID": "1",
+                "PMI_SIZE": "8",
+                "MPI_LOCALRANKID": "3",
+            },
             HydraLauncher,
             8,
         ),
         (
-            {"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0",
-             "OMPI_COMM_WORLD_SIZE": "8"},
+            {
+                "SLURM_JOB_ID": "7",
+                "SLURM_STEP_NUM_TASKS": "2",
+                "SLURM_PROCID": "0",
+                "OMPI_COMM_WORLD_SIZE": "8",
+            },
             OpenMPILauncher,
             8,
         ),
@@ -108,8 +117,14 @@ def _launch_error(launcher, size, library) -> LaunchError:
 
 
 def test_silent_singletons_under_srun_without_mpi_plugin():
-    env = _env.snapshot({"SLURM_JOB_ID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2",
-                         "SLURM_MPI_TYPE": "none"})
+    env = _env.snapshot(
+        {
+            "SLURM_JOB_ID": "1",
+            "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_PROCID": "2",
+            "SLURM_MPI_TYPE": "none",
+        }
+    )
     error = _launch_error(detect_launcher(env), 1, MPICH)
     assert "silent singletons" in error.message
     assert "srun --mpi=pmi2" in error.hint and "--mpi=none" in error.hint
@@ -146,7 +161,11 @@ def test_expand_nodelist():
     assert expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
     assert expand_nodelist("n[1-2]") == ["n1", "n2"]
     assert expand_nodelist("rack[1-2]-n[01-02]") == [
-        "rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]
+        "rack1-n01",
+        "rack1-n02",
+        "rack2-n01",
+        "rack2-n02",
+    ]
     assert expand_nodelist(None) == []
     with pytest.raises(LaunchError, match="cannot parse"):
         expand_nodelist("gpu[01-")
@@ -232,7 +251,8 @@ def test_batch_shell_warns_when_allocation_is_wider():
 
 
 def test_mpiexec_using_part_of_allocation_warns():
-    env = _env.snapshot({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "8", "PMI_SIZE": "4",
-                         "MPI_LOCALRANKID": "0"})
+    env = _env.snapshot(
+        {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "8", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0"}
+    )
     notes = allocation_warnings(SlurmFacts.from_env(env), detect_launcher(env), 4)
     assert "only 4 process(es)" in notes[0]

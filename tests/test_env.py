@@ -51,6 +51,7 @@ def test_no_other_module_reads_os_environ():
     offenders = [
         str(path.relative_to(root))
         for path in root.rglob("*.py")
-        if path.name != "_env.py" and ("os.environ" in path.read_text() or "os.getenv" in path.read_text())
+        if path.name != "_env.py"
+        and ("os.environ" in path.read_text() or "os.getenv" in path.read_text())
     ]
     assert offenders == []

@@ -23,18 +23,23 @@ def _script(tmp_path, body: str):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_ranks_are_discovered(tmp_path, n):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         from mpaccel import Accelerator
         a = Accelerator()
         print(a.process_index, a.num_processes, a.local_process_index, a.node_index, a.num_nodes)
-    """)
+    """,
+    )
     run = run_mpi([script], n=n, timeout=120).check()
     rows = [tuple(map(int, out.split())) for out in run.stdout]
     assert rows == [(r, n, r, 0, 1) for r in range(n)]
 
 
 def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import time
         from mpaccel import PartialState
         state = PartialState()
@@ -43,7 +48,8 @@ def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path):
             raise RuntimeError("rank two is broken")
         state.wait_for_everyone()   # would wait 30 minutes without the abort
         time.sleep(600)
-    """)
+    """,
+    )
     run = run_mpi([script], n=4, timeout=90)
     assert not run.timed_out, run.describe()
     assert run.returncode != 0
@@ -56,8 +62,14 @@ def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path):
 
 def _plain_python(tmp_path, extra_env, body="from mpaccel import PartialState; PartialState()"):
     env = _env.child_environment(extra_env)
-    return subprocess.run([sys.executable, "-c", body], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, "-c", body],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
 
 
 def test_silent_singleton_from_a_foreign_launcher(tmp_path):
@@ -71,25 +83,37 @@ def test_silent_singleton_from_a_foreign_launcher(tmp_path):
 
 def test_silent_singleton_from_srun_without_mpi_plugin(tmp_path):
     # What each task of `srun -n 4 --mpi=none` sees (measured on a real Slurm, see docs/slurm.md)
-    result = _plain_python(tmp_path, {
-        "SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4",
-        "SLURM_NTASKS": "4", "SLURM_PROCID": "1", "SLURM_MPI_TYPE": "none",
-    })
+    result = _plain_python(
+        tmp_path,
+        {
+            "SLURM_JOB_ID": "12",
+            "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_NTASKS": "4",
+            "SLURM_PROCID": "1",
+            "SLURM_MPI_TYPE": "none",
+        },
+    )
     assert result.returncode != 0
     assert "srun --mpi=pmi2" in result.stderr
 
 
 def test_batch_shell_only_warns(tmp_path):
-    result = _plain_python(tmp_path, {"SLURM_JOB_ID": "12", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"},
-                           "import warnings; warnings.simplefilter('always');"
-                           "from mpaccel import PartialState; print(PartialState().num_processes)")
+    result = _plain_python(
+        tmp_path,
+        {"SLURM_JOB_ID": "12", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"},
+        "import warnings; warnings.simplefilter('always');"
+        "from mpaccel import PartialState; print(PartialState().num_processes)",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1"
     assert "python ran directly in the batch script" in result.stderr
 
 
 def test_skip_launch_checks(tmp_path):
-    result = _plain_python(tmp_path, {"OMPI_COMM_WORLD_SIZE": "4", "MPACCEL_SKIP_LAUNCH_CHECKS": "1"})
+    result = _plain_python(
+        tmp_path, {"OMPI_COMM_WORLD_SIZE": "4", "MPACCEL_SKIP_LAUNCH_CHECKS": "1"}
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -17,7 +17,9 @@ def _run_pytest(tmp_path, body: str, n: int, *args: str, timeout: float = 180):
     test_file.write_text(textwrap.dedent(body))
     return run_mpi(
         ["-m", "pytest", "-p", "no:cacheprovider", str(test_file), *args],
-        n=n, timeout=timeout, cwd=tmp_path,
+        n=n,
+        timeout=timeout,
+        cwd=tmp_path,
     )
 
 
@@ -28,12 +30,16 @@ def _summary(text: str) -> str:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_all_pass_one_report(tmp_path, n):
-    run = _run_pytest(tmp_path, """
+    run = _run_pytest(
+        tmp_path,
+        """
         def test_a(comm):
             assert comm.size > 1
         def test_b(state):
             state.wait_for_everyone()
-    """, n)
+    """,
+        n,
+    )
     assert run.returncode == 0, run.describe()
     assert "2 passed" in _summary(run.stdout[0])
     assert all(out.strip() == "" for out in run.stdout[1:]), run.describe()
@@ -41,7 +47,9 @@ def test_all_pass_one_report(tmp_path, n):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_failure_on_one_rank_fails_everywhere(tmp_path, n):
-    run = _run_pytest(tmp_path, """
+    run = _run_pytest(
+        tmp_path,
+        """
         def test_disagree(comm):
             assert comm.rank != 1, "rank one says no"
         def test_fails_before_a_barrier(state):
@@ -50,7 +58,10 @@ def test_failure_on_one_rank_fails_everywhere(tmp_path, n):
             state.wait_for_everyone()
         def test_still_works_after(state):
             state.wait_for_everyone()
-    """, n, timeout=120)
+    """,
+        n,
+        timeout=120,
+    )
     assert not run.timed_out, run.describe()
     assert run.returncode == 1, run.describe()
     out = run.stdout[0]
@@ -63,14 +74,20 @@ def test_failure_on_one_rank_fails_everywhere(tmp_path, n):
 
 
 def test_deadlock_hits_the_timeout_and_ends_the_job(tmp_path):
-    run = _run_pytest(tmp_path, """
+    run = _run_pytest(
+        tmp_path,
+        """
         import time
         from mpi4py import MPI
         def test_hangs(comm):
             if comm.rank == 0:
                 time.sleep(3600)
             comm.Barrier()
-    """, 2, "--mpi-timeout=5", timeout=120)
+    """,
+        2,
+        "--mpi-timeout=5",
+        timeout=120,
+    )
     assert not run.timed_out, run.describe()
     assert run.returncode != 0
     err = "".join(run.stderr)
@@ -81,7 +98,9 @@ def test_deadlock_hits_the_timeout_and_ends_the_job(tmp_path):
 
 
 def test_size_markers_and_shared_tmp_path(tmp_path):
-    run = _run_pytest(tmp_path, """
+    run = _run_pytest(
+        tmp_path,
+        """
         import pytest
         @pytest.mark.mpi(min_size=8)
         def test_too_big():
@@ -99,7 +118,10 @@ def test_size_markers_and_shared_tmp_path(tmp_path):
         def test_private(tmp_path, comm):
             paths = comm.allgather(str(tmp_path))
             assert len(set(paths)) == comm.size
-    """, 2, "-rs")
+    """,
+        2,
+        "-rs",
+    )
     assert run.returncode == 0, run.describe()
     summary = _summary(run.stdout[0])
     assert "3 passed" in summary and "2 skipped" in summary
@@ -107,13 +129,18 @@ def test_size_markers_and_shared_tmp_path(tmp_path):
 
 
 def test_collection_mismatch_is_an_error_not_a_hang(tmp_path):
-    run = _run_pytest(tmp_path, """
+    run = _run_pytest(
+        tmp_path,
+        """
         import pytest
         from mpi4py import MPI
         @pytest.mark.parametrize("x", range(2 + MPI.COMM_WORLD.rank))
         def test_depends_on_rank(x):
             pass
-    """, 2, timeout=120)
+    """,
+        2,
+        timeout=120,
+    )
     assert not run.timed_out, run.describe()
     assert run.returncode == 4, run.describe()  # pytest's usage error, on every rank
     text = run.stdout[0] + run.stderr[0]
@@ -122,18 +149,24 @@ def test_collection_mismatch_is_an_error_not_a_hang(tmp_path):
 
 
 def test_exit_first_and_keyword_selection(tmp_path):
-    run = _run_pytest(tmp_path, """
+    run = _run_pytest(
+        tmp_path,
+        """
         def test_one(comm):
             assert comm.rank == 0
         def test_two():
             pass
         def test_three():
             pass
-    """, 2, "-x")
+    """,
+        2,
+        "-x",
+    )
     assert run.returncode == 1
     assert "1 failed" in _summary(run.stdout[0]) and "passed" not in _summary(run.stdout[0])
-    run = _run_pytest(tmp_path, "def test_one():\n    pass\ndef test_two():\n    pass\n", 2,
-                      "-k", "two", "-q")
+    run = _run_pytest(
+        tmp_path, "def test_one():\n    pass\ndef test_two():\n    pass\n", 2, "-k", "two", "-q"
+    )
     assert run.returncode == 0
     assert "1 passed, 1 deselected" in _summary(run.stdout[0])
 

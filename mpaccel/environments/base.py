@@ -48,9 +48,7 @@ class ProcessInfo:
         return cls(0, 1, 0, 1, 0, 1, hostname)
 
 
-def layout_from_node_keys(
-    keys: Sequence[Hashable], rank: int, hostname: str
-) -> ProcessInfo:
+def layout_from_node_keys(keys: Sequence[Hashable], rank: int, hostname: str) -> ProcessInfo:
     """ProcessInfo of `rank` given every rank's node key (same key = same node).
 
     Nodes are numbered by the lowest rank they hold; local ranks follow world rank order within

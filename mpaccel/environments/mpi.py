@@ -94,6 +94,4 @@ class PMILauncher(Launcher):
         return _env.get("pmi_size", env) is not None or _env.get("mvapich_world_size", env)
 
     def expected_world_size(self):
-        return _env.get_int("pmi_size", self.env) or _env.get_int(
-            "mvapich_world_size", self.env
-        )
+        return _env.get_int("pmi_size", self.env) or _env.get_int("mvapich_world_size", self.env)

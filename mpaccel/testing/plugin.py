@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +216,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     session = _MPISession(config)
     config.stash[_KEY] = session
+    if session.rank != 0 and getattr(config.option, "xmlpath", None):
+        config.option.xmlpath = None  # one JUnit XML, from rank 0, with the combined outcomes
     if config.option.basetemp is None:
         # One private base per rank: pytest deletes and renumbers basetemp dirs, which N ranks
         # doing at once in the same place would race on.
@@ -232,7 +234,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if reporter is not None:
         # Its own sessionstart (the header) still runs in this hook call: silence it first.
         if hasattr(reporter, "_tw"):
-            reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115
+            reporter._tw = TerminalWriter(open(os.devnull, "w"))
         config.pluginmanager.unregister(reporter)
     cache = getattr(config, "cache", None)
     if cache is not None:
@@ -278,7 +280,7 @@ def _timeout_for(item: pytest.Item) -> float:
         _env.get_float("test_timeout"),
     ):
         if value not in (None, ""):
-            return float(value)  # type: ignore[arg-type]
+            return float(value)
     return DEFAULT_TIMEOUT
 
 
@@ -295,7 +297,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[Any]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     mpi = _session(item.config)
     if mpi is not None:

@@ -18,12 +18,14 @@ def main(argv: list[str]) -> None:
     for fd, suffix in ((1, "out"), (2, "err")):
         handle = os.open(
             os.path.join(directory, f"rank-{rank}.{suffix}"),
-            os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644,
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+            0o644,
         )
         os.dup2(handle, fd)
         os.close(handle)
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
-    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     if target[0] == "-m":
         sys.argv = [target[1], *target[2:]]
         runpy.run_module(target[1], run_name="__main__", alter_sys=True)

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import ConfigurationError
 
@@ -54,7 +54,7 @@ class KwargsHandler:
         super().__setattr__(name, value)
 
 
-def as_timedelta(value: Any, what: str = "timeout") -> Optional[timedelta]:
+def as_timedelta(value: Any, what: str = "timeout") -> timedelta | None:
     """None, a timedelta, or a number of seconds -> timedelta (positive)."""
     if value is None:
         return None
@@ -81,9 +81,9 @@ class InitProcessGroupKwargs(KwargsHandler):
     deadline of mpaccel's own barriers (wait_for_everyone, triggers).
     """
 
-    backend: Optional[str] = None
-    init_method: Optional[str] = None
-    timeout: Optional[timedelta] = None
+    backend: str | None = None
+    init_method: str | None = None
+    timeout: timedelta | None = None
 
     def __post_init__(self) -> None:
         self.timeout = as_timedelta(self.timeout)
@@ -104,7 +104,7 @@ class GradientAccumulationPlugin(KwargsHandler):
     memory, more communication).
     """
 
-    num_steps: Optional[int] = None
+    num_steps: int | None = None
     adjust_scheduler: bool = True
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
@@ -128,17 +128,17 @@ class DataLoaderConfiguration(KwargsHandler):
     even_batches: bool = True
     use_seedable_sampler: bool = False
     non_blocking: bool = False
-    data_seed: Optional[int] = None
+    data_seed: int | None = None
 
 
 @dataclass
 class ProjectConfiguration(KwargsHandler):
     """Where checkpoints go, and how many are kept."""
 
-    project_dir: Optional[str] = None
-    logging_dir: Optional[str] = None
+    project_dir: str | None = None
+    logging_dir: str | None = None
     automatic_checkpoint_naming: bool = False
-    total_limit: Optional[int] = None
+    total_limit: int | None = None
     iteration: int = 0
     save_on_each_node: bool = False
 
@@ -150,9 +150,7 @@ class ProjectConfiguration(KwargsHandler):
                 f"ProjectConfiguration(total_limit={self.total_limit!r}) must be >= 1 or None"
             )
 
-    def set_directories(self, project_dir: Optional[str] = None) -> None:
+    def set_directories(self, project_dir: str | None = None) -> None:
         self.project_dir = project_dir
         if self.logging_dir is None:
             self.logging_dir = project_dir
-
-

@@ -1,0 +1,30 @@
+# Two entry points (see README): `make example` and `make test`. Both build .venv first.
+VENV      ?= .venv
+PYTHON    ?= python3
+PY        := $(VENV)/bin/python
+MPIEXEC   := $(VENV)/bin/mpiexec
+NP        ?= 4
+EXAMPLE   ?= examples/process_control.py
+
+.PHONY: setup example test lint clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml requirements/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt torch
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -e '.[mpich,dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+example: setup
+	timeout --kill-after=30 600 $(MPIEXEC) -n $(NP) $(PY) $(EXAMPLE)
+
+test: setup
+	VENV=$(VENV) bash scripts/test-matrix.sh
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy mpaccel
+
+clean:
+	rm -rf $(VENV) $(VENV)-openmpi
