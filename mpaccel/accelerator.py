@@ -3,15 +3,28 @@ switches on the kind of distributed set-up."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
+from . import distributed, ops
+from .data import DataLoaderShard, prepare_data_loader
 from .errors import ConfigurationError
 from .state import AcceleratorState, GradientState, PartialState
+from .training import (
+    AcceleratedOptimizer,
+    AcceleratedScheduler,
+    autocast_context,
+    make_grad_scaler,
+    patch_forward,
+    unpatch_forward,
+)
 from .utils.dataclasses import (
     DataLoaderConfiguration,
     DistributedType,
@@ -109,6 +122,13 @@ class Accelerator:
         self.log_with = log_with
         self.dynamo_backend = dynamo_backend
         self._trigger = 0
+        self.step = 0  # micro-batches since the last optimizer step (gradient accumulation)
+        self.scaler = make_grad_scaler(self.state.mixed_precision, self.device)
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[DataLoaderShard] = []
+        self._data_seed: int | None = dataloader_config.data_seed
 
     # -- facts (delegated to the state) --------------------------------------------------------
 
@@ -270,5 +290,256 @@ class Accelerator:
     def destroy_process_group(self, group: Any = None) -> None:
         self._partial.destroy_process_group(group)
 
+    # -- preparing objects -----------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Collective. Models, optimizers, dataloaders and schedulers, in any order, returned
+        in the same order: models on the device (DistributedDataParallel on several ranks, its
+        parameters broadcast from rank 0), optimizers and schedulers aware of accumulation,
+        dataloaders sharded across ranks. Anything else is returned as it is."""
+        if device_placement is None:
+            device_placement = [self.device_placement] * len(args)
+        elif len(device_placement) != len(args):
+            raise ConfigurationError(
+                f"device_placement has {len(device_placement)} entries for {len(args)} objects"
+            )
+        prepared: list[Any] = list(args)
+        kinds = (torch.nn.Module, torch.optim.Optimizer, DataLoader)
+        for index, obj in enumerate(args):  # schedulers need the prepared optimizers first
+            if isinstance(obj, kinds):
+                prepared[index] = self._prepare_one(obj, device_placement[index])
+        for index, obj in enumerate(args):
+            if _is_scheduler(obj):
+                prepared[index] = self.prepare_scheduler(obj)
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+    def _prepare_one(self, obj: Any, placement: bool) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            return self.prepare_model(obj, device_placement=placement)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj)
+        return self.prepare_data_loader(obj, device_placement=placement)
+
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+    ) -> torch.nn.Module:
+        """Collective when distributed (DDP broadcasts rank 0's parameters and buffers)."""
+        if device_placement if device_placement is not None else self.device_placement:
+            model = model.to(self.device)
+        patch_forward(model, self.mixed_precision, self.device)
+        self._models.append(model)
+        trainable = any(p.requires_grad for p in model.parameters())
+        if self.num_processes > 1 and trainable and not evaluation_mode:
+            model = distributed.wrap_ddp(model, self.device)
+            self._models[-1] = model
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        optimizers = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
+        wrapped = AcceleratedScheduler(
+            scheduler,
+            optimizers or self._optimizers,
+            self.gradient_state,
+            self.num_processes,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
+        )
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(
+        self, data_loader: DataLoader, device_placement: bool | None = None
+    ) -> DataLoaderShard:
+        """Collective the first time (the shuffling seed is agreed over MPI)."""
+        if self._data_seed is None:
+            # Rank 0's seed for everyone: shuffles agree across ranks, and follow torch.manual_seed.
+            self._data_seed = self._partial.comm.bcast(
+                torch.initial_seed() % 2**62, what="prepare_data_loader (seed)"
+            )
+        place = device_placement if device_placement is not None else self.device_placement
+        shard = prepare_data_loader(
+            data_loader,
+            self.num_processes,
+            self.process_index,
+            self.device if place else None,
+            self.gradient_state,
+            self._data_seed,
+            split_batches=self.split_batches,
+            even_batches=self.even_batches,
+            non_blocking=self.dataloader_config.non_blocking,
+        )
+        self._dataloaders.append(shard)
+        return shard
+
+    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> Any:
+        """The same dataloader, whose next pass starts after `num_batches` batches."""
+        dataloader.skip_first_batches(num_batches)
+        return dataloader
+
+    # -- the training step -----------------------------------------------------------------------
+
+    def _do_sync(self) -> None:
+        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
+            self.step = 0
+            self.gradient_state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
+
+    @contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Not collective. One micro-batch: decides whether this step synchronises gradients
+        (every `gradient_accumulation_steps`, and at the end of the dataloader) and, when it
+        does not, suppresses DDP's all-reduce in backward."""
+        self._do_sync()
+        each_batch = self.use_distributed and self.gradient_state.sync_each_batch
+        allow = self.sync_gradients or each_batch
+        with contextlib.ExitStack() as stack:
+            for model in models:
+                stack.enter_context(contextlib.nullcontext() if allow else self.no_sync(model))
+            yield
+
+    @contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Gradients computed in this block are not all-reduced (DDP only; a no-op otherwise)."""
+        context = (
+            model.no_sync()  # type: ignore[operator]
+            if distributed.is_ddp(model)
+            else contextlib.nullcontext()
+        )
+        with context:
+            yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """loss.backward(), divided by the accumulation steps and scaled for fp16. With DDP, the
+        gradients are all-reduced here on synchronising steps."""
+        loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """fp16: divide gradients by the loss scale (done for you before clipping)."""
+        targets = (
+            self._optimizers
+            if optimizer is None
+            else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        )
+        for opt in targets:
+            if isinstance(opt, AcceleratedOptimizer):
+                opt.unscale_gradients()
+
+    def clip_grad_norm_(
+        self, parameters: Any, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip the gradients' total norm (after fp16 unscaling); returns the total norm before
+        clipping. After DDP's all-reduce the gradients, and so the norm, agree on every rank."""
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value] (after fp16 unscaling)."""
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    @contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
+        """Run the block in the configured mixed precision (prepared models already do)."""
+        with autocast_context(self.mixed_precision, self.device):
+            yield
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """fp16: the last optimizer step was skipped because gradients overflowed."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    # -- collective operations on tensors --------------------------------------------------------
+
+    def gather(self, tensor: Any) -> Any:
+        """Collective: every rank's tensors (nested lists/tuples/dicts) concatenated along the
+        first dimension in rank order; the first dimension may differ across ranks."""
+        return ops.gather(self._partial.comm, tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Collective: gather(), minus the samples even_batches repeated in the last batch, so
+        metrics see each sample of the dataset exactly once. Non-tensor data goes through
+        gather_object."""
+        if use_gather_object or not ops._leaves(input_data):
+            data = ops.gather_object(self._partial.comm, input_data)
+        else:
+            data = ops.gather(self._partial.comm, input_data)
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = ops.truncate(data, state.remainder)
+        return data
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Collective: element-wise 'sum', 'mean', 'max' or 'min' over ranks."""
+        return ops.reduce(self._partial.comm, tensor, reduction, scale)
+
+    def pad_across_processes(
+        self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
+    ) -> Any:
+        """Collective: pad along `dim` to the largest size on any rank."""
+        return ops.pad_across_processes(self._partial.comm, tensor, dim, pad_index, pad_first)
+
+    # -- models and memory -----------------------------------------------------------------------
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> Any:
+        """The user's model without DDP (and, with keep_fp32_wrapper=False, without autocast)."""
+        while distributed.is_ddp(model) or hasattr(model, "_orig_mod"):
+            model = model.module if distributed.is_ddp(model) else model._orig_mod  # type: ignore
+        if not keep_fp32_wrapper:
+            unpatch_forward(model)
+        return model
+
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        """torch.save (or safetensors) on the main process only; others do nothing."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            try:
+                from safetensors.torch import save_file
+            except ImportError as exc:
+                raise ConfigurationError(
+                    "safe_serialization=True needs the safetensors package",
+                    "pip install safetensors",
+                ) from exc
+            save_file(obj, f)
+        else:
+            torch.save(obj, f)
+
+    def free_memory(self, *objects: Any) -> list[Any]:
+        """Drop mpaccel's references to prepared objects and release cached memory; returns
+        `objects` replaced by None (`a, b = accelerator.free_memory(a, b)`)."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.step = 0
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None for _ in objects]
+
+    def clear(self, *objects: Any) -> list[Any]:
+        return self.free_memory(*objects)
+
     def __repr__(self) -> str:
         return f"Accelerator(\n{self.state!r})"
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "get_last_lr")
+    )

@@ -168,3 +168,39 @@ def destroy_process_group(group: Any = None) -> None:
         dist.destroy_process_group()
     else:
         dist.destroy_process_group(group)
+
+
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def all_gather(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """Collective over the default group: every rank's `tensor` (same shape on every rank)."""
+    out = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(out, tensor.contiguous())
+    return out
+
+
+def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """Collective over the default group, in place: 'sum', 'max' or 'min'."""
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int) -> torch.Tensor:
+    """Collective over the default group, in place: rank `src`'s tensor everywhere."""
+    dist.broadcast(tensor, src=src)
+    return tensor
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, **kwargs: Any) -> torch.nn.Module:
+    """DistributedDataParallel around `model` (parameters and buffers broadcast from rank 0)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+
+
+def is_ddp(model: Any) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)

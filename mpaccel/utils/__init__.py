@@ -8,6 +8,14 @@ from .dataclasses import (
     KwargsHandler,
     ProjectConfiguration,
 )
+from .operations import (
+    broadcast,
+    broadcast_object_list,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+)
 
 __all__ = [
     "DataLoaderConfiguration",
@@ -16,4 +24,10 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "ProjectConfiguration",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
 ]

@@ -1,0 +1,188 @@
+"""gather / reduce / broadcast / pad on nested structures of tensors (lists, tuples, dicts).
+
+Every function here is collective. Shapes are checked first with one small MPI all-gather on the
+host, so a mismatch raises the same clear error on every rank instead of crashing or hanging the
+data-plane collective. gather() also accepts tensors whose first dimension differs across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from . import distributed
+from .comm import Comm
+from .errors import ConfigurationError
+
+
+def _leaves(data: Any) -> list[torch.Tensor]:
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, Mapping):
+        return [leaf for value in data.values() for leaf in _leaves(value)]
+    if isinstance(data, (list, tuple)):
+        return [leaf for value in data for leaf in _leaves(value)]
+    return []
+
+
+def _rebuild(data: Any, replace: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(data, torch.Tensor):
+        return replace(data)
+    if isinstance(data, Mapping):
+        return type(data)({k: _rebuild(v, replace) for k, v in data.items()})  # type: ignore[call-arg]
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_rebuild(v, replace) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_rebuild(v, replace) for v in data)
+    return data
+
+
+def _map(data: Any, function: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply `function` to the leaves in a fixed order (the order of _leaves)."""
+    return _rebuild(data, function)
+
+
+def _metadata(comm: Comm, data: Any, what: str) -> list[list[tuple[tuple[int, ...], str]]]:
+    mine = [(tuple(t.shape), str(t.dtype)) for t in _leaves(data)]
+    return comm.allgather(mine, what=f"{what} (shape check)")
+
+
+def _mismatch(what: str, metas: list, leaf: int, rule: str) -> ConfigurationError:
+    shapes = ", ".join(f"rank {r}: {m[leaf][0]} {m[leaf][1]}" for r, m in enumerate(metas))
+    return ConfigurationError(
+        f"{what}: tensor #{leaf} differs across ranks ({shapes}); {rule}",
+        "call it with the same structure, dtype and shape on every rank; for predictions of "
+        "varying length use pad_across_processes() first, or gather_for_metrics("
+        "use_gather_object=True).",
+    )
+
+
+def _check(what: str, metas: list, same_first_dim: bool) -> None:
+    counts = {len(m) for m in metas}
+    if len(counts) != 1:
+        raise ConfigurationError(
+            f"{what}: ranks passed different numbers of tensors "
+            f"({', '.join(f'rank {r}: {len(m)}' for r, m in enumerate(metas))})",
+            "every rank must pass the same nested structure.",
+        )
+    for leaf in range(len(metas[0])):
+        shape0, dtype0 = metas[0][leaf]
+        for m in metas:
+            shape, dtype = m[leaf]
+            if dtype != dtype0:
+                raise _mismatch(what, metas, leaf, "dtypes must match")
+            if same_first_dim and shape != shape0:
+                raise _mismatch(what, metas, leaf, "shapes must match")
+            if not same_first_dim and (len(shape) != len(shape0) or shape[1:] != shape0[1:]):
+                raise _mismatch(what, metas, leaf, "only the first dimension may differ")
+
+
+def gather(comm: Comm, data: Any) -> Any:
+    """Every rank's tensors concatenated along the first dimension, in rank order.
+
+    0-d tensors count as one row. The first dimension may differ across ranks.
+    """
+    if comm.size == 1:
+        return data
+    metas = _metadata(comm, data, "gather")
+    _check("gather", metas, same_first_dim=False)
+    counter = iter(range(len(metas[0])))
+
+    def one(tensor: torch.Tensor) -> torch.Tensor:
+        leaf = next(counter)
+        rows = [m[leaf][0][0] if m[leaf][0] else 1 for m in metas]
+        flat = tensor.reshape(1) if tensor.ndim == 0 else tensor
+        longest = max(rows)
+        if flat.shape[0] < longest:
+            pad = flat.new_zeros((longest - flat.shape[0], *flat.shape[1:]))
+            flat = torch.cat([flat, pad])
+        pieces = distributed.all_gather(flat, comm.size)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, rows)])
+
+    return _map(data, one)
+
+
+def gather_object(comm: Comm, obj: Any) -> list[Any]:
+    """Every rank's picklable objects in one list: lists and tuples are concatenated in rank
+    order, anything else contributes one element. Runs over MPI (host), not the GPU."""
+    parts = comm.allgather(obj, what="gather_object")
+    out: list[Any] = []
+    for part in parts:
+        if isinstance(part, (list, tuple)):
+            out.extend(part)
+        else:
+            out.append(part)
+    return out
+
+
+def reduce(comm: Comm, data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+    """Element-wise reduction of every rank's tensors: 'sum', 'mean', 'max' or 'min'.
+
+    Returns new tensors (the inputs are left alone)."""
+    if reduction not in ("sum", "mean", "max", "min", "none"):
+        raise ConfigurationError(
+            f"reduce(reduction={reduction!r}): expected 'sum', 'mean', 'max' or 'min'"
+        )
+    if reduction == "none":
+        return data
+    if comm.size > 1:
+        _check("reduce", _metadata(comm, data, "reduce"), same_first_dim=True)
+
+    def one(tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        if comm.size > 1:
+            distributed.all_reduce(out, "sum" if reduction == "mean" else reduction)
+        if reduction == "mean":
+            out = out / comm.size
+        return out * scale if scale != 1.0 else out
+
+    return _map(data, one)
+
+
+def broadcast(comm: Comm, data: Any, from_process: int = 0) -> Any:
+    """Rank `from_process`'s tensors on every rank (same shapes required), in place."""
+    if comm.size == 1:
+        return data
+    if not 0 <= from_process < comm.size:
+        raise ConfigurationError(f"broadcast(from_process={from_process}) is not a rank")
+    _check("broadcast", _metadata(comm, data, "broadcast"), same_first_dim=True)
+    return _map(data, lambda t: distributed.broadcast(t, from_process))
+
+
+def pad_across_processes(
+    comm: Comm, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
+) -> Any:
+    """Pad each tensor along `dim` to the largest size any rank has, with `pad_index`."""
+    metas = _metadata(comm, data, "pad_across_processes")
+    counts = {len(m) for m in metas}
+    if len(counts) != 1:
+        _check("pad_across_processes", metas, same_first_dim=False)
+    counter = iter(range(len(metas[0])))
+
+    def one(tensor: torch.Tensor) -> torch.Tensor:
+        leaf = next(counter)
+        if tensor.ndim == 0:
+            return tensor
+        axis = dim % tensor.ndim
+        longest = max(m[leaf][0][axis] for m in metas)
+        if tensor.shape[axis] >= longest:
+            return tensor
+        shape = list(tensor.shape)
+        shape[axis] = longest
+        out = tensor.new_full(shape, pad_index)
+        index = [slice(None)] * tensor.ndim
+        size = tensor.shape[axis]
+        index[axis] = slice(longest - size, longest) if pad_first else slice(0, size)
+        out[tuple(index)] = tensor
+        return out
+
+    return _map(data, one)
+
+
+def truncate(data: Any, count: int) -> Any:
+    """The first `count` rows of every tensor (and of a plain list)."""
+    if isinstance(data, list) and not _leaves(data):
+        return data[:count]
+    return _map(data, lambda t: t[:count])

@@ -1,0 +1,189 @@
+"""The training wrappers `Accelerator.prepare` returns: optimizer and scheduler that respect
+gradient accumulation and fp16 loss scaling, and the mixed-precision forward of a model."""
+
+from __future__ import annotations
+
+import functools
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_context(mixed_precision: str, device: torch.device) -> AbstractContextManager:
+    """torch.autocast for the configured precision ('no': a null context)."""
+    dtype = _AUTOCAST_DTYPES.get(mixed_precision)
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_grad_scaler(mixed_precision: str, device: torch.device) -> Any:
+    """A GradScaler for fp16 (gradients of fp16 activations underflow without it), else None."""
+    if mixed_precision != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def patch_forward(model: torch.nn.Module, mixed_precision: str, device: torch.device) -> None:
+    """Run `model.forward` under autocast, returning float32 outputs (as Accelerate does)."""
+    if mixed_precision not in _AUTOCAST_DTYPES or hasattr(model, "_mpaccel_original_forward"):
+        return
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with autocast_context(mixed_precision, device):
+            output = original(*args, **kwargs)
+        return _to_float32(output)
+
+    model._mpaccel_original_forward = original  # type: ignore[assignment]
+    model.forward = forward
+
+
+def unpatch_forward(model: torch.nn.Module) -> None:
+    original = model.__dict__.pop("_mpaccel_original_forward", None)
+    if original is not None:
+        model.forward = original
+
+
+def _to_float32(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
+    if isinstance(output, dict):
+        return type(output)({k: _to_float32(v) for k, v in output.items()})
+    if isinstance(output, (list, tuple)) and not hasattr(output, "_fields"):
+        return type(output)(_to_float32(v) for v in output)
+    return output
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer: `step()` and `zero_grad()` do nothing while gradients accumulate; with
+    fp16, steps go through the GradScaler (skipped steps are reported by `step_was_skipped`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: Any, scaler: Any):
+        self.optimizer = optimizer
+        self.gradient_state = gradient_state
+        self.scaler = scaler
+        self._step_was_skipped = False
+        self._unscaled = False
+
+    # Behave as the wrapped optimizer for everything else.
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def param_groups(self) -> Any:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> Any:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def unscale_gradients(self) -> None:
+        """fp16: divide the gradients by the loss scale, once per step (before clipping)."""
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optimizer)
+            self._unscaled = True
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.gradient_state.sync_gradients:
+            return None
+        self._unscaled = False
+        if self.scaler is None:
+            self._step_was_skipped = False
+            return self.optimizer.step(closure) if closure else self.optimizer.step()
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer, closure) if closure else self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self._step_was_skipped = self.scaler.get_scale() < scale_before
+        return None
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """fp16: the last step was skipped because gradients overflowed."""
+        return self._step_was_skipped
+
+    def __getstate__(self) -> dict:
+        return self.__dict__
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+class AcceleratedScheduler:
+    """Wraps an LR scheduler written for one process: steps only when the optimizer stepped,
+    and `num_processes` times per step unless batches are split (each optimizer step consumes
+    that many single-process batches). While accumulating with `adjust_scheduler`, only the
+    step counter moves."""
+
+    def __init__(
+        self,
+        scheduler: Any,
+        optimizers: list[AcceleratedOptimizer],
+        gradient_state: Any,
+        num_processes: int,
+        step_with_optimizer: bool = True,
+        split_batches: bool = False,
+    ) -> None:
+        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.gradient_state = gradient_state
+        self.num_processes = num_processes
+        self.step_with_optimizer = step_with_optimizer
+        self.split_batches = split_batches
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            if self.gradient_state.adjust_scheduler:
+                self.scheduler._step_count += 1
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        for _ in range(1 if self.split_batches else self.num_processes):
+            total = getattr(self.scheduler, "total_steps", None)
+            if total is None or self.scheduler._step_count <= total:
+                self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_lr(self) -> Any:
+        return self.scheduler.get_lr()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

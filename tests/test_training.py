@@ -1,0 +1,281 @@
+"""Training through Accelerator.prepare: the same bodies run at size 1 and under mpiexec -n 2/4.
+
+The reference for a run on N ranks is computed in the same test, on one process, with N times
+the batch size: data-parallel training must end with the same parameters."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from mpaccel import Accelerator, AcceleratorState, GradientState
+from mpaccel.errors import ConfigurationError
+from mpaccel.utils import GradientAccumulationPlugin
+
+GLOBAL_BATCH = 16
+
+
+def _fresh(**kwargs) -> Accelerator:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return Accelerator(**kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def _model(seed=1):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _reference(dataset, steps_per_update, epochs, lr=0.05, clip=None):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = DataLoader(dataset, batch_size=GLOBAL_BATCH * steps_per_update)
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+    return model
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_data_parallel_matches_single_process(comm, accumulation):
+    acc = _fresh(gradient_accumulation_steps=accumulation)
+    n = acc.num_processes
+    dataset = _data()
+    # Different initialisation on each rank: prepare() must make rank 0's parameters win.
+    model = _model(seed=1 if acc.is_main_process else 100 + acc.process_index)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // n)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    steps = 0
+    for _ in range(3):
+        for x, y in loader:
+            with acc.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                acc.backward(loss)
+                norm = acc.clip_grad_norm_(model.parameters(), 10.0)
+                opt.step()
+                opt.zero_grad()
+                steps += acc.sync_gradients
+    assert steps == 3 * len(dataset) // (GLOBAL_BATCH * accumulation)
+    assert torch.isfinite(norm)
+    mine = _params(acc.unwrap_model(model))
+    expected = _params(_reference(dataset, accumulation, epochs=3, clip=10.0))
+    assert torch.allclose(mine, expected, atol=1e-5), (mine - expected).abs().max()
+    everyone = comm.allgather(mine)
+    assert all(torch.equal(everyone[0], other) for other in everyone)
+
+
+def test_accumulation_skips_optimizer_and_adjusts_scheduler(comm):
+    acc = _fresh(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4))
+    n = acc.num_processes
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    loader = DataLoader(_data(n=GLOBAL_BATCH * 5), batch_size=GLOBAL_BATCH // n)
+    model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+    syncs, lrs = [], []
+    for x, y in loader:
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            syncs.append(acc.sync_gradients)
+            lrs.append(opt.param_groups[0]["lr"])
+    # 5 batches, 4 per step: a step after the 4th, and one at the end of the dataloader
+    assert syncs == [False, False, False, True, True]
+    # the scheduler moves num_processes steps per optimizer step (Accelerate's convention)
+    assert lrs[3] == pytest.approx(0.5**n) and lrs[4] == pytest.approx(0.5 ** (2 * n))
+    assert lrs[:3] == [1.0, 1.0, 1.0]
+
+
+def test_sync_each_batch_and_no_sync(comm):
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)
+    acc = _fresh(gradient_accumulation_plugin=plugin)
+    assert acc.gradient_state.sync_each_batch
+    model = acc.prepare(_model())
+    x = torch.randn(4, 8) * (acc.process_index + 1)
+    with acc.no_sync(model):
+        model(x).sum().backward()
+    local = [p.grad.clone() for p in acc.unwrap_model(model).parameters()]
+    grads = comm.allgather(local[0])
+    if acc.num_processes > 1:
+        assert not torch.equal(grads[0], grads[1])  # no all-reduce happened
+
+
+def _dataloader_run(acc, dataset, batch_size, **kwargs):
+    loader = acc.prepare(DataLoader(dataset, batch_size=batch_size, **kwargs))
+    seen, flags = [], []
+    for (x,) in loader:
+        seen.append(x)
+        flags.append(acc.gradient_state.end_of_dataloader)
+    return loader, seen, flags
+
+
+@pytest.mark.parametrize("even_batches", [True, False])
+def test_uneven_dataset_and_gather_for_metrics(comm, even_batches):
+    acc = _fresh(even_batches=even_batches)
+    n = acc.num_processes
+    dataset = TensorDataset(torch.arange(23).float())
+    loader, seen, flags = _dataloader_run(acc, dataset, batch_size=3)
+    assert flags[-1] is True and not any(flags[:-1])
+    lengths = comm.allgather(len(seen))
+    if even_batches:
+        assert len(set(lengths)) == 1
+        assert all(batch.shape[0] == 3 for batch in seen)
+    gathered = []
+    for (x,) in loader:
+        gathered.append(acc.gather_for_metrics(x))
+    values = torch.cat(gathered).tolist()
+    assert sorted(values) == list(range(23)), (n, values)
+    assert acc.gradient_state.end_of_dataloader is False  # reset outside the loop
+
+
+def test_split_batches(comm):
+    acc = _fresh(split_batches=True)
+    n = acc.num_processes
+    loader, seen, _ = _dataloader_run(acc, TensorDataset(torch.arange(32)), batch_size=8)
+    assert all(batch.shape[0] == 8 // n for batch in seen)
+    assert len(seen) == 4
+    everything = sorted(v for batches in comm.allgather([b.tolist() for b in seen])
+                        for b in batches for v in b)
+    assert everything == list(range(32))
+    if n in (2, 4):
+        AcceleratorState._reset_state(True)
+        with pytest.raises(ConfigurationError, match="divisible"):
+            acc = Accelerator(split_batches=True)
+            acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=6 if n == 4 else 5))
+
+
+def test_shuffle_same_on_every_rank_and_new_each_epoch(comm):
+    torch.manual_seed(1234 + comm.rank)  # rank-dependent torch seed: the data order must not be
+    acc = _fresh()
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(40)), batch_size=2, shuffle=True))
+    epochs = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        epochs.append([v for (x,) in loader for v in x.tolist()])
+    # every rank's share comes from one permutation: together they cover each sample once
+    for order in epochs:
+        union = sorted(v for part in comm.allgather(order) for v in part)
+        assert union == list(range(40))
+    assert epochs[0] != epochs[1]
+    again = [v for (x,) in loader for v in x.tolist()]  # no set_epoch: advances by itself
+    assert again != epochs[1]
+
+
+def test_ops(comm):
+    acc = _fresh()
+    n, r = acc.num_processes, acc.process_index
+    t = torch.full((2, 3), float(r))
+    g = acc.gather({"a": t, "b": [torch.tensor(r)]})
+    assert g["a"].shape == (2 * n, 3) and g["a"][::2, 0].tolist() == list(range(n))
+    assert (g["b"][0].tolist() == list(range(n))) if n > 1 else g["b"][0].item() == 0
+    uneven = acc.gather(torch.arange(r + 1))
+    assert uneven.tolist() == [i for k in range(n) for i in range(k + 1)]
+    assert acc.reduce(t, "sum")[0, 0].item() == sum(range(n))
+    assert acc.reduce(t, "mean")[0, 0].item() == pytest.approx(sum(range(n)) / n)
+    assert acc.reduce(t, "max")[0, 0].item() == n - 1
+    assert t[0, 0].item() == r  # reduce does not modify its input
+    padded = acc.pad_across_processes(torch.ones(r + 1, 2), dim=0, pad_index=-1)
+    assert padded.shape == (n, 2) and padded[r + 1 :].eq(-1).all()
+    first = acc.pad_across_processes(torch.ones(r + 1), pad_first=True)
+    assert first[: n - r - 1].eq(0).all()
+    from mpaccel.utils import broadcast, gather_object
+
+    b = broadcast(torch.tensor([float(r)]), from_process=n - 1)
+    assert b.item() == n - 1
+    assert gather_object([f"r{r}"]) == [f"r{k}" for k in range(n)]
+    assert acc.gather_for_metrics(["x"] * 2) == ["x"] * (2 * n)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shape_mismatch_is_a_clear_error_everywhere(comm):
+    acc = _fresh()
+    t = torch.zeros(2, 3 + acc.process_index)
+    with pytest.raises(ConfigurationError, match="only the first dimension may differ"):
+        acc.gather(t)
+    with pytest.raises(ConfigurationError, match="shapes must match"):
+        acc.reduce(torch.zeros(acc.process_index + 1))
+    with pytest.raises(ConfigurationError, match="dtypes must match"):
+        acc.gather(torch.zeros(2, dtype=torch.float32 if acc.is_main_process else torch.int64))
+    acc.wait_for_everyone()  # still in step
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision(comm, precision):
+    acc = _fresh(mixed_precision=precision)
+    assert acc.mixed_precision == precision
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    x = torch.randn(4, 8)
+    out = model(x)
+    assert out.dtype == torch.float32  # outputs come back in float32
+    with acc.autocast():
+        inner = torch.nn.functional.linear(x, torch.randn(2, 8))
+    assert inner.dtype == (torch.bfloat16 if precision == "bf16" else torch.float16)
+    loss = out.pow(2).mean()
+    acc.backward(loss)
+    norm = acc.clip_grad_norm_(model.parameters(), 1.0)
+    assert torch.isfinite(norm)
+    before = _params(acc.unwrap_model(model)).clone()
+    opt.step()
+    assert (acc.scaler is not None) == (precision == "fp16")
+    if not acc.optimizer_step_was_skipped:
+        assert not torch.equal(before, _params(acc.unwrap_model(model)))
+    bare = acc.unwrap_model(model, keep_fp32_wrapper=False)
+    assert not hasattr(bare, "_mpaccel_original_forward")
+
+
+def test_clip_grad_value_and_save(comm, mpi_tmp_path):
+    acc = _fresh()
+    model = acc.prepare(_model())
+    (model(torch.randn(4, 8)) * 1000).sum().backward()
+    acc.clip_grad_value_(model.parameters(), 0.01)
+    assert all(p.grad.abs().max() <= 0.01 + 1e-9 for p in model.parameters())
+    path = mpi_tmp_path / "weights.pt"
+    acc.save({"w": torch.ones(3)}, path)
+    acc.wait_for_everyone()
+    assert torch.load(path)["w"].sum() == 3
+    a, b = acc.free_memory(model, path)
+    assert a is None and b is None and acc._models == []
+
+
+def test_get_logger(comm, caplog):
+    import logging
+
+    from mpaccel.logging import get_logger
+
+    _fresh()
+    logger = get_logger("mpaccel.test", log_level="INFO")
+    with caplog.at_level(logging.INFO, logger="mpaccel.test"):
+        logger.info("main only")
+        logger.info("everyone", main_process_only=False)
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert messages == (["main only", "everyone"] if comm.rank == 0 else ["everyone"])
