@@ -4,7 +4,7 @@ PYTHON    ?= python3
 PY        := $(VENV)/bin/python
 MPIEXEC   := $(VENV)/bin/mpiexec
 NP        ?= 4
-EXAMPLE   ?= examples/process_control.py
+EXAMPLE   ?= examples/train.py
 
 .PHONY: setup example test lint clean
 

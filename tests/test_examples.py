@@ -1,0 +1,42 @@
+"""The examples, run as a user would: under a real mpiexec, and as plain python."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from mpaccel.testing import run_mpi
+
+pytestmark = pytest.mark.mpi(size=1)
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_train_example(n):
+    run = run_mpi([str(EXAMPLES / "train.py"), "--epochs", "3", "--train-samples", "2000"],
+                  n=n, timeout=300).check()
+    out = run.stdout[0]
+    epochs = re.findall(r"epoch\s+\d+\s+val_loss ([\d.]+)\s+accuracy ([\d.]+)\s+\((\d+) validation",
+                        out)
+    assert len(epochs) == 3, out
+    assert all(samples == "1001" for _, _, samples in epochs)  # gather_for_metrics: exact count
+    assert float(epochs[-1][0]) < float(epochs[0][0])  # it learns
+    assert f"{n} process(es)" in out and "done in" in out
+    assert all(other.strip() == "" for other in run.stdout[1:]), run.describe()
+
+
+def test_train_example_stops_early():
+    run = run_mpi([str(EXAMPLES / "train.py"), "--epochs", "30", "--train-samples", "2000",
+                   "--target-accuracy", "0.5"], n=2, timeout=300).check()
+    assert "early stop after epoch 0" in run.stdout[0]
+
+
+def test_process_control_example():
+    run = run_mpi([str(EXAMPLES / "process_control.py")], n=4, timeout=120).check()
+    everything = "".join(run.stdout)
+    for rank in range(4):
+        assert f"process {rank}/4: local {rank}, node 0/1" in everything
+    assert "stopping at step 3" in run.stdout[0]
+    assert run.stdout[0].count("MULTI_CPU: 4 process(es)") == 1
