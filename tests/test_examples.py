@@ -15,11 +15,13 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 @pytest.mark.parametrize("n", [1, 4])
 def test_train_example(n):
-    run = run_mpi([str(EXAMPLES / "train.py"), "--epochs", "3", "--train-samples", "2000"],
-                  n=n, timeout=300).check()
+    run = run_mpi(
+        [str(EXAMPLES / "train.py"), "--epochs", "3", "--train-samples", "2000"], n=n, timeout=300
+    ).check()
     out = run.stdout[0]
-    epochs = re.findall(r"epoch\s+\d+\s+val_loss ([\d.]+)\s+accuracy ([\d.]+)\s+\((\d+) validation",
-                        out)
+    epochs = re.findall(
+        r"epoch\s+\d+\s+val_loss ([\d.]+)\s+accuracy ([\d.]+)\s+\((\d+) validation", out
+    )
     assert len(epochs) == 3, out
     assert all(samples == "1001" for _, _, samples in epochs)  # gather_for_metrics: exact count
     assert float(epochs[-1][0]) < float(epochs[0][0])  # it learns
@@ -28,8 +30,19 @@ def test_train_example(n):
 
 
 def test_train_example_stops_early():
-    run = run_mpi([str(EXAMPLES / "train.py"), "--epochs", "30", "--train-samples", "2000",
-                   "--target-accuracy", "0.5"], n=2, timeout=300).check()
+    run = run_mpi(
+        [
+            str(EXAMPLES / "train.py"),
+            "--epochs",
+            "30",
+            "--train-samples",
+            "2000",
+            "--target-accuracy",
+            "0.5",
+        ],
+        n=2,
+        timeout=300,
+    ).check()
     assert "early stop after epoch 0" in run.stdout[0]
 
 

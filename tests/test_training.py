@@ -5,8 +5,6 @@ the batch size: data-parallel training must end with the same parameters."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -159,11 +157,12 @@ def test_uneven_dataset_and_gather_for_metrics(comm, even_batches):
 def test_split_batches(comm):
     acc = _fresh(split_batches=True)
     n = acc.num_processes
-    loader, seen, _ = _dataloader_run(acc, TensorDataset(torch.arange(32)), batch_size=8)
+    _, seen, _ = _dataloader_run(acc, TensorDataset(torch.arange(32)), batch_size=8)
     assert all(batch.shape[0] == 8 // n for batch in seen)
     assert len(seen) == 4
-    everything = sorted(v for batches in comm.allgather([b.tolist() for b in seen])
-                        for b in batches for v in b)
+    everything = sorted(
+        v for batches in comm.allgather([b.tolist() for b in seen]) for b in batches for v in b
+    )
     assert everything == list(range(32))
     if n in (2, 4):
         AcceleratorState._reset_state(True)
