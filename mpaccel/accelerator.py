@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import distributed, ops
+from . import checkpoint, distributed, ops
 from .data import DataLoaderShard, prepare_data_loader
 from .errors import ConfigurationError
 from .state import AcceleratorState, GradientState, PartialState
@@ -129,6 +129,8 @@ class Accelerator:
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoaderShard] = []
         self._data_seed: int | None = dataloader_config.data_seed
+        self._custom_objects: list[Any] = []
+        self._async_saver = checkpoint.AsyncSaver()
 
     # -- facts (delegated to the state) --------------------------------------------------------
 
@@ -518,6 +520,59 @@ class Accelerator:
             save_file(obj, f)
         else:
             torch.save(obj, f)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Collective. The unwrapped model's weights as HDF5 shards of at most `max_shard_size`
+        (written in parallel: shard i by rank i mod N) and `model.index.json`, committed
+        atomically; shards of an earlier save are removed. HDF5 never pickles, so
+        `safe_serialization` is always honoured. Read back with
+        `mpaccel.checkpoint.load_model_state(dir)`."""
+        checkpoint.save_model(self, model, save_directory, max_shard_size)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include objects with state_dict()/load_state_dict() in save_state/load_state."""
+        bad = [
+            o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
+        ]
+        if bad:
+            raise TypeError(
+                f"register_for_checkpointing needs objects with state_dict() and "
+                f"load_state_dict(); {[type(o).__name__ for o in bad]} lack them"
+            )
+        self._custom_objects.extend(objects)
+
+    def save_state(
+        self, output_dir: str | None = None, async_save: bool = False, **kwargs: Any
+    ) -> str:
+        """Collective. Models, optimizers, schedulers, grad scaler, registered objects, and each
+        rank's RNG states and dataloader positions, as an HDF5 checkpoint committed atomically.
+        With ProjectConfiguration(automatic_checkpoint_naming=True) the directory is
+        project_dir/checkpoints/checkpoint_<n> and old ones are rotated (total_limit).
+        async_save=True snapshots to host memory and writes in the background; see
+        wait_for_checkpoint(). Returns the directory."""
+        return checkpoint.save_state(self, output_dir, async_save)
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> str:
+        """Collective. Restore what save_state wrote (the latest complete checkpoint when
+        input_dir is None and automatic naming is on). Works at another world size: shared
+        state loads anywhere; per-rank RNG states are then skipped, with a warning."""
+        return checkpoint.load_state(self, input_dir)
+
+    def wait_for_checkpoint(self) -> None:
+        """Collective in effect: block until an async save is committed (re-raises its error)."""
+        self._async_saver.wait()
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
 
     def free_memory(self, *objects: Any) -> list[Any]:
         """Drop mpaccel's references to prepared objects and release cached memory; returns

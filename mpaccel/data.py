@@ -297,11 +297,17 @@ def prepare_data_loader(
         )
     sharded = ShardedBatchSampler(
         batch_sampler,  # type: ignore[arg-type]
-        num_processes, process_index, split_batches, even_batches
+        num_processes,
+        process_index,
+        split_batches,
+        even_batches,
     )
     kwargs = {name: getattr(dataloader, name) for name in _COPIED if hasattr(dataloader, name)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
         kwargs.pop("persistent_workers", None)
-    rebuilt = DataLoader(dataloader.dataset, batch_sampler=sharded, **kwargs)
+    # A private generator: starting an iteration then draws its worker seed from here, not from
+    # the global torch RNG, so iterating does not shift the RNG a resumed run must reproduce.
+    generator = torch.Generator().manual_seed(seed + process_index)
+    rebuilt = DataLoader(dataloader.dataset, batch_sampler=sharded, generator=generator, **kwargs)
     return DataLoaderShard(rebuilt, sharded, device, gradient_state, non_blocking)

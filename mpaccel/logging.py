@@ -1,9 +1,9 @@
 """get_logger: a logger whose records are emitted on the main process only, unless asked.
 
-    logger = get_logger(__name__)
-    logger.info("epoch done")                          # main process only
-    logger.info("my shard", main_process_only=False)   # every process
-    logger.info("in turn", main_process_only=False, in_order=True)  # rank by rank (collective)
+logger = get_logger(__name__)
+logger.info("epoch done")                          # main process only
+logger.info("my shard", main_process_only=False)   # every process
+logger.info("in turn", main_process_only=False, in_order=True)  # rank by rank (collective)
 """
 
 from __future__ import annotations

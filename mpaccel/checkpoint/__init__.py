@@ -1,0 +1,255 @@
+"""HDF5 checkpoints: save_model, save_state/load_state, automatic naming and rotation, async saves.
+
+Every function taking an accelerator is collective. See docs/checkpoint-format.md for the files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import warnings
+from typing import Any
+
+from .format import CheckpointError, flatten, parse_size, unflatten
+from .storage import CheckpointReader, write_checkpoint
+from .training_state import collect, restore
+
+MODEL_STEM = "model"
+STATE_STEM = "state"
+_CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)$")
+
+__all__ = [
+    "AsyncSaver",
+    "CheckpointError",
+    "CheckpointReader",
+    "checkpoints_in",
+    "latest_checkpoint",
+    "load_model_state",
+    "load_state",
+    "save_model",
+    "save_state",
+]
+
+
+def save_model(accelerator: Any, model: Any, save_directory: str, max_shard_size: Any) -> dict:
+    """The unwrapped model's state_dict as HDF5 shards of at most `max_shard_size`, written by
+    different ranks in parallel (shard i by rank i mod N), plus `model.index.json`."""
+    try:
+        limit = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise CheckpointError(str(exc), "for example max_shard_size='10GB' or '500MB'.") from exc
+    state = accelerator.unwrap_model(model).state_dict()
+    index = write_checkpoint(
+        accelerator._partial.comm,
+        os.fspath(save_directory),
+        MODEL_STEM,
+        {"model": state},
+        max_shard_bytes=limit,
+        metadata={"kind": "model"},
+    )
+    return index
+
+
+def load_model_state(directory: str) -> dict:
+    """Not collective: the state_dict saved by save_model (checksums verified)."""
+    with CheckpointReader(os.fspath(directory), MODEL_STEM) as reader:
+        return reader.component("model")
+
+
+def checkpoints_in(project_dir: str) -> list[tuple[int, str, bool]]:
+    """(number, path, complete) of project_dir/checkpoints/checkpoint_N, oldest first."""
+    root = os.path.join(project_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _CHECKPOINT_DIR.match(name)
+        if match:
+            path = os.path.join(root, name)
+            complete = os.path.isfile(os.path.join(path, f"{STATE_STEM}.index.json"))
+            found.append((int(match.group(1)), path, complete))
+    return sorted(found)
+
+
+def latest_checkpoint(project_dir: str) -> tuple[int, str] | None:
+    complete = [(n, path) for n, path, ok in checkpoints_in(project_dir) if ok]
+    return complete[-1] if complete else None
+
+
+def rotate(project_dir: str, total_limit: int | None) -> None:
+    """Keep the `total_limit` newest complete checkpoints; drop debris of interrupted saves
+    older than the newest complete one. Never removes the newest complete checkpoint."""
+    found = checkpoints_in(project_dir)
+    complete = [entry for entry in found if entry[2]]
+    if not complete:
+        return
+    newest = complete[-1][0]
+    doomed = [path for n, path, ok in found if not ok and n < newest]
+    if total_limit is not None and len(complete) > total_limit:
+        doomed += [path for _, path, _ in complete[: len(complete) - total_limit]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _resolve_output(accelerator: Any, output_dir: str | None) -> str:
+    config = accelerator.project_configuration
+    if config.automatic_checkpoint_naming:
+        if config.project_dir is None:
+            raise CheckpointError(
+                "automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)"
+            )
+        return os.path.join(config.project_dir, "checkpoints", f"checkpoint_{config.iteration}")
+    if output_dir is None:
+        raise CheckpointError(
+            "save_state() needs an output_dir",
+            "pass one, or use Accelerator(project_config=ProjectConfiguration(project_dir=..., "
+            "automatic_checkpoint_naming=True)).",
+        )
+    return os.fspath(output_dir)
+
+
+def _snapshot(tree: Any) -> Any:
+    """A deep copy with every tensor cloned to host memory (for a save in the background)."""
+    document, tensors = flatten(tree, "snapshot")
+
+    def load(name: str, kind: str) -> Any:
+        value = tensors[name]
+        return value.copy() if kind == "numpy" else value.detach().to("cpu", copy=True)
+
+    return unflatten(document, load)
+
+
+class AsyncSaver:
+    """Writes checkpoints in a background thread on its own communicator, one at a time."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._comm: Any = None
+
+    def comm_for(self, accelerator: Any) -> Any:
+        if self._comm is None:  # collective, the first time: every rank saves together
+            comm = accelerator._partial.comm
+            if comm.size == 1:
+                self._comm = comm
+            else:
+                from ..comm import MPIComm
+
+                self._comm = MPIComm(comm.mpi_comm, comm.default_timeout, interruptible=False)
+                self._comm.hosts = comm.hosts
+        return self._comm
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, target: Any) -> None:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="mpaccel-async-save")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the background save is committed; re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+def _threads_ok() -> bool:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return True
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> str:
+    saver: AsyncSaver = accelerator._async_saver
+    saver.wait()  # a second save waits for the first
+    config = accelerator.project_configuration
+    comm = accelerator._partial.comm
+    if async_save and not _threads_ok():
+        warnings.warn(
+            "async_save needs MPI_THREAD_MULTIPLE; saving synchronously",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        async_save = False
+    error: BaseException | None = None
+    directory = ""
+    shared: dict[str, Any] = {}
+    per_rank: dict[str, Any] = {}
+    try:
+        directory = _resolve_output(accelerator, output_dir)
+        shared, per_rank = collect(accelerator)
+        if async_save:  # copies in host memory: training may change the originals meanwhile
+            shared, per_rank = _snapshot(shared), _snapshot(per_rank)
+    except Exception as exc:
+        error = exc
+    comm.agree(error, f"saving checkpoint {directory or output_dir!r} (collecting the state)")
+
+    def write(comm: Any) -> None:
+        write_checkpoint(
+            comm,
+            directory,
+            STATE_STEM,
+            shared,
+            per_rank,
+            metadata={"kind": "state", "iteration": config.iteration},
+        )
+        if config.automatic_checkpoint_naming and comm.rank == 0:
+            rotate(config.project_dir, config.total_limit)
+
+    if async_save:
+        background = saver.comm_for(accelerator)
+        saver.start(lambda: write(background))
+    else:
+        write(comm)
+    if config.automatic_checkpoint_naming:
+        config.iteration += 1
+    return directory
+
+
+def load_state(accelerator: Any, input_dir: str | None) -> str:
+    accelerator._async_saver.wait()
+    config = accelerator.project_configuration
+    comm = accelerator._partial.comm
+    error: BaseException | None = None
+    directory = ""
+    notes: list[str] = []
+    try:
+        if input_dir is None:
+            if not (config.automatic_checkpoint_naming and config.project_dir):
+                raise CheckpointError(
+                    "load_state() needs an input_dir",
+                    "pass one, or use ProjectConfiguration(automatic_checkpoint_naming=True) so "
+                    "load_state() finds the latest complete checkpoint.",
+                )
+            latest = latest_checkpoint(config.project_dir)
+            if latest is None:
+                root = os.path.join(config.project_dir, "checkpoints")
+                raise CheckpointError(f"no complete checkpoint under {root!r}")
+            number, directory = latest
+        else:
+            directory, number = os.fspath(input_dir), None
+        with CheckpointReader(directory, STATE_STEM) as reader:
+            notes = restore(accelerator, reader, comm.rank)
+        if number is not None:
+            config.iteration = number + 1
+    except Exception as exc:
+        error = exc
+    comm.agree(error, f"loading checkpoint {directory or input_dir!r}")
+    if notes and accelerator.is_main_process:
+        for note in notes:
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
+    return directory

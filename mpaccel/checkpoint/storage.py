@@ -1,0 +1,345 @@
+"""Writing and reading checkpoint directories: HDF5 shards written by all ranks in parallel, and
+a JSON index written last, atomically, by rank 0. The index is the commit: a directory without a
+valid index is not a checkpoint, and files the index does not name are not part of it.
+
+Call sequence of `write_checkpoint` (collective, every rank, same arguments but `per_rank`):
+  1. every rank flattens the same state and computes the same shard plan;
+  2. rank 0 picks a save id and creates the directory; all ranks agree it worked;
+  3. rank r writes shards r, r+N, ... and its own per-rank file, each to a temporary name,
+     fsynced, then renamed; all ranks agree it worked (else everyone raises, files removed);
+  4. rank 0 writes `<stem>.index.json` (temp file, fsync, rename, fsync of the directory),
+     then deletes files of earlier saves; all ranks agree it worked.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import h5py
+import numpy as np
+
+from .. import __version__
+from ..comm import Comm
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CheckpointError,
+    checksum,
+    contiguous,
+    dtype_name,
+    flatten,
+    from_numpy,
+    to_numpy,
+    unflatten,
+)
+
+
+def _dataset_name(component: str, name: str) -> str:
+    return f"{component}/{name.replace('/', '%2F')}"
+
+
+def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes: int | None):
+    """Group tensor keys into shards: sequential fill up to `max_bytes` (save_model), or
+    `num_shards` shards balanced by size (save_state: one per rank)."""
+    if max_bytes is not None:
+        shards: list[list[str]] = [[]]
+        filled = 0
+        for key, nbytes in sizes:
+            if shards[-1] and filled + nbytes > max_bytes:
+                shards.append([])
+                filled = 0
+            shards[-1].append(key)
+            filled += nbytes
+        return shards
+    count = max(1, min(num_shards or 1, len(sizes)))
+    loads = [0] * count
+    shards = [[] for _ in range(count)]
+    for key, nbytes in sorted(sizes, key=lambda kv: -kv[1]):
+        target = loads.index(min(loads))
+        shards[target].append(key)
+        loads[target] += nbytes
+    return shards
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_h5(path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict:
+    """Write datasets to `path` atomically (temp name, fsync, rename). Returns their entries."""
+    partial = f"{path}.partial"
+    entries = {}
+    with h5py.File(partial, "w", libver="latest") as f:
+        f.attrs["format"] = FORMAT_NAME
+        for key, array in arrays.items():
+            # Contiguous, uncompressed, one write: chunking or compression would cost speed.
+            ds = f.create_dataset(key, shape=array.shape, dtype=array.dtype)
+            if array.size:
+                ds.write_direct(array)
+            ds.attrs["torch_dtype"] = dtypes[key]
+            entries[key] = {
+                "file": os.path.basename(path),
+                "dtype": dtypes[key],
+                "shape": list(array.shape),
+                "nbytes": int(array.nbytes),
+                "xxh3": checksum(array),
+            }
+    _fsync_path(partial)
+    os.replace(partial, path)
+    return entries
+
+
+def _split(trees: Mapping[str, Any]) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
+    """Documents, arrays (by dataset name) and true dtypes of some state trees."""
+    documents: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for component, tree in trees.items():
+        documents[component], tensors = flatten(tree, component)
+        for name, value in tensors.items():
+            key = _dataset_name(component, name)
+            if isinstance(value, np.ndarray):
+                arrays[key], dtypes[key] = contiguous(value), f"numpy.{value.dtype}"
+            else:
+                arrays[key], dtypes[key] = to_numpy(value), dtype_name(value.dtype)
+    return documents, arrays, dtypes
+
+
+def write_checkpoint(
+    comm: Comm,
+    directory: str,
+    stem: str,
+    shared: Mapping[str, Any],
+    per_rank: Mapping[str, Any] | None = None,
+    max_shard_bytes: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> dict:
+    """Collective. Write `shared` (identical on every rank) and `per_rank` (this rank's own) state
+    trees under `directory`; returns the committed index."""
+    what = f"saving checkpoint {directory!r}"
+    error: BaseException | None = None
+    try:
+        documents, arrays, dtypes = _split(shared)
+        rank_docs, rank_arrays, rank_dtypes = _split(per_rank or {})
+    except Exception as exc:
+        error = exc
+    comm.agree(error, what + " (collecting the state)")
+
+    save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
+    error = None
+    if comm.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except Exception as exc:
+            error = CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
+    comm.agree(error, what + " (creating the directory)")
+
+    shards = plan_shards([(k, a.nbytes) for k, a in arrays.items()], comm.size, max_shard_bytes)
+    total = len(shards)
+    written: list[str] = []
+    entries: dict[str, Any] = {}
+    error = None
+    try:
+        for shard_no in range(comm.rank, total, comm.size):
+            name = f"{stem}-{save_id}-{shard_no + 1:05d}-of-{total:05d}.h5"
+            path = os.path.join(directory, name)
+            written.append(path)
+            entries.update(_write_h5(path, {k: arrays[k] for k in shards[shard_no]}, dtypes))
+        rank_file = None
+        if per_rank is not None:
+            rank_file = f"{stem}-{save_id}-rank{comm.rank:05d}.h5"
+            written.append(os.path.join(directory, rank_file))
+            rank_entries = _write_h5(os.path.join(directory, rank_file), rank_arrays, rank_dtypes)
+    except Exception as exc:
+        where = written[-1] if written else directory
+        error = CheckpointError(f"rank {comm.rank} could not write {where!r}: {exc}")
+        error.__cause__ = exc
+        for path in written:
+            for candidate in (path, f"{path}.partial"):
+                if os.path.exists(candidate):
+                    os.remove(candidate)
+    comm.agree(error, what + " (writing shards)")
+
+    gathered = comm.allgather(
+        (entries, (rank_file, rank_docs, rank_entries) if per_rank is not None else None),
+        what=what,
+    )
+    index: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "stem": stem,
+        "save_id": save_id,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "mpaccel_version": __version__,
+        "world_size": comm.size,
+        "metadata": dict(metadata or {}),
+        "components": documents,
+        "tensors": {k: v for part, _ in gathered for k, v in part.items()},
+        "shards": sorted({v["file"] for part, _ in gathered for v in part.values()}),
+        "per_rank": [
+            {"file": extra[0], "components": extra[1], "tensors": extra[2]}
+            for _, extra in gathered
+            if extra is not None
+        ],
+    }
+    error = None
+    if comm.rank == 0:
+        try:
+            commit_index(directory, stem, index)
+        except Exception as exc:
+            error = CheckpointError(f"cannot commit the index of {directory!r}: {exc}")
+            error.__cause__ = exc
+    comm.agree(error, what + " (committing the index)")
+    return index
+
+
+def commit_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
+    """Write the index atomically, then remove files of this stem that it does not name."""
+    final = os.path.join(directory, f"{stem}.index.json")
+    temp = f"{final}.tmp-{index['save_id']}"
+    with open(temp, "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, final)
+    _fsync_path(directory)
+    keep = set(index["shards"]) | {p["file"] for p in index["per_rank"]}
+    pattern = re.compile(rf"^{re.escape(stem)}-[0-9a-f]{{12}}-.*\.h5(\.partial)?$")
+    for name in os.listdir(directory):
+        if pattern.match(name) and name not in keep:
+            os.remove(os.path.join(directory, name))
+
+
+class CheckpointReader:
+    """Read a committed checkpoint. Not collective; every read is checked against the index."""
+
+    def __init__(self, directory: str, stem: str) -> None:
+        self.directory = directory
+        self.stem = stem
+        path = os.path.join(directory, f"{stem}.index.json")
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"no checkpoint at {directory!r}: the directory does not exist")
+        try:
+            with open(path) as f:
+                self.index = json.load(f)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{directory!r} holds no committed checkpoint: {os.path.basename(path)} is missing",
+                "a save that was interrupted leaves no index; load the previous checkpoint.",
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path!r} is not valid JSON: {exc}") from exc
+        if self.index.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{path!r} is not an mpaccel checkpoint index")
+        if self.index.get("format_version", 0) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path!r} has format version {self.index['format_version']}; this mpaccel "
+                f"reads up to {FORMAT_VERSION}",
+                "upgrade mpaccel to read it.",
+            )
+        self._files: dict[str, h5py.File] = {}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def world_size(self) -> int:
+        return int(self.index["world_size"])
+
+    def _file(self, name: str) -> h5py.File:
+        if name not in self._files:
+            path = os.path.join(self.directory, name)
+            try:
+                self._files[name] = h5py.File(path, "r")
+            except (OSError, FileNotFoundError) as exc:
+                raise CheckpointError(f"cannot open checkpoint file {path!r}: {exc}") from exc
+        return self._files[name]
+
+    def read_array(self, key: str, entry: Mapping[str, Any], verify: bool = True) -> np.ndarray:
+        path = os.path.join(self.directory, entry["file"])
+        try:
+            ds = self._file(entry["file"])[key]
+            array = np.empty(ds.shape, dtype=ds.dtype)
+            if array.size:
+                ds.read_direct(array)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {key!r} from {path!r}: {exc}") from exc
+        if list(array.shape) != entry["shape"]:
+            raise CheckpointError(
+                f"{path!r}: {key!r} has shape {array.shape}, index says {entry['shape']}"
+            )
+        if verify and checksum(array) != entry["xxh3"]:
+            raise CheckpointError(
+                f"checksum mismatch for {key!r} in {path!r}: the file is corrupted",
+                "restore the file from a copy, or load an earlier checkpoint.",
+            )
+        return array
+
+    def tensor(self, key: str, verify: bool = True) -> Any:
+        entry = self.index["tensors"].get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.directory!r} has no tensor {key!r}")
+        return self._decode(self.read_array(key, entry, verify), entry["dtype"])
+
+    @staticmethod
+    def _decode(array: np.ndarray, dtype: str) -> Any:
+        if dtype.startswith("numpy."):
+            return array
+        return from_numpy(array, dtype)
+
+    def components(self) -> list[str]:
+        return list(self.index["components"])
+
+    def component(self, component: str, verify: bool = True) -> Any:
+        if component not in self.index["components"]:
+            raise CheckpointError(
+                f"{self.directory!r} has no {component!r} (it has {self.components()})"
+            )
+
+        def load(name: str, kind: str) -> Any:
+            return self.tensor(_dataset_name(component, name), verify)
+
+        return unflatten(self.index["components"][component], load)
+
+    def rank_component(self, rank: int, component: str, verify: bool = True) -> Any:
+        part = self.index["per_rank"][rank]
+
+        def load(name: str, kind: str) -> Any:
+            key = _dataset_name(component, name)
+            entry = part["tensors"][key]
+            return self._decode(self.read_array(key, entry, verify), entry["dtype"])
+
+        return unflatten(part["components"][component], load)
+
+    def verify(self) -> list[str]:
+        """Check every tensor's checksum; returns the problems found (empty: all good)."""
+        problems = []
+        entries = list(self.index["tensors"].items())
+        for part in self.index["per_rank"]:
+            entries.extend(part["tensors"].items())
+        for key, entry in entries:
+            try:
+                self.read_array(key, entry, verify=True)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        return problems

@@ -1,0 +1,156 @@
+"""What save_state/load_state put in a checkpoint, and how it comes back.
+
+Shared (identical on every rank, written once, sharded across ranks): prepared models (unwrapped),
+optimizers, schedulers, the fp16 grad scaler, registered custom objects, the accumulation step.
+Per rank: RNG states (python, numpy, torch, CUDA) and dataloader positions.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from .format import CheckpointError
+
+RNG = "rng"
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(tuple(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    for i, cuda_state in enumerate(state.get("cuda", [])):
+        if i < torch.cuda.device_count():
+            torch.cuda.set_rng_state(cuda_state, i)
+
+
+def dataloader_position(shard: Any) -> dict[str, Any]:
+    sampler = shard._sampler()
+    mid_epoch = shard.gradient_state.active_dataloader is shard
+    return {
+        "iteration": shard.iteration,
+        "mid_epoch": mid_epoch,
+        "batches_yielded": shard.batches_yielded if mid_epoch else 0,
+        "total_batch_size": shard.total_batch_size,
+        "sampler_epoch": getattr(sampler, "epoch", None),
+        "sampler_started": getattr(sampler, "_started", None),
+    }
+
+
+def restore_dataloader(shard: Any, position: dict[str, Any], same_world: bool) -> None:
+    shard.iteration = position["iteration"]
+    sampler = shard._sampler()
+    if position.get("sampler_epoch") is not None and hasattr(sampler, "epoch"):
+        sampler.epoch = position["sampler_epoch"]
+        # Mid-epoch: the next pass must replay this epoch's order (minus what was seen).
+        sampler._started = bool(position["sampler_started"]) and not position["mid_epoch"]
+    if not position["mid_epoch"]:
+        return
+    batches = position["batches_yielded"]
+    if not same_world:
+        samples = batches * position["total_batch_size"]
+        batches, rest = divmod(samples, shard.total_batch_size)
+        if rest:
+            warnings.warn(
+                f"resuming at another world size: {samples} samples were consumed, not a whole "
+                f"number of the new global batch ({shard.total_batch_size}); "
+                f"{rest} samples of the epoch will be seen twice",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    shard.skip_first_batches(batches)
+
+
+def collect(accelerator: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared, per_rank) state trees of everything the accelerator prepared or registered."""
+    shared: dict[str, Any] = {}
+    for i, model in enumerate(accelerator._models):
+        shared[f"model_{i}"] = accelerator.unwrap_model(model).state_dict()
+    for i, opt in enumerate(accelerator._optimizers):
+        shared[f"optimizer_{i}"] = opt.state_dict()
+    for i, sched in enumerate(accelerator._schedulers):
+        shared[f"scheduler_{i}"] = sched.state_dict()
+    if accelerator.scaler is not None:
+        shared["scaler"] = accelerator.scaler.state_dict()
+    for i, obj in enumerate(accelerator._custom_objects):
+        shared[f"custom_{i}"] = obj.state_dict()
+    shared["accelerator"] = {"step": accelerator.step}
+    per_rank: dict[str, Any] = {RNG: rng_state()}
+    for i, shard in enumerate(accelerator._dataloaders):
+        per_rank[f"dataloader_{i}"] = dataloader_position(shard)
+    return shared, per_rank
+
+
+def _load_into(name: str, target: Any, state: Any, directory: str) -> None:
+    try:
+        if isinstance(target, torch.nn.Module):
+            target.load_state_dict(state, strict=True)
+        else:
+            target.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"cannot load {name} from {directory!r}: {exc}",
+            "the checkpoint was written for other objects (another model or optimizer layout, "
+            "or prepare() called in another order).",
+        ) from exc
+
+
+def restore(accelerator: Any, reader: Any, rank: int) -> list[str]:
+    """Load everything back; returns warnings (e.g. RNG states skipped at another world size)."""
+    notes: list[str] = []
+    directory = reader.directory
+    expected = (
+        [f"model_{i}" for i in range(len(accelerator._models))]
+        + [f"optimizer_{i}" for i in range(len(accelerator._optimizers))]
+        + [f"scheduler_{i}" for i in range(len(accelerator._schedulers))]
+        + [f"custom_{i}" for i in range(len(accelerator._custom_objects))]
+    )
+    missing = [c for c in expected if c not in reader.components()]
+    if missing:
+        raise CheckpointError(
+            f"{directory!r} has no {missing} (it holds {reader.components()})",
+            "prepare()/register_for_checkpointing() the same objects as when it was saved.",
+        )
+    for i, model in enumerate(accelerator._models):
+        state = reader.component(f"model_{i}")
+        _load_into(f"model_{i}", accelerator.unwrap_model(model), state, directory)
+    for i, opt in enumerate(accelerator._optimizers):
+        _load_into(f"optimizer_{i}", opt, reader.component(f"optimizer_{i}"), directory)
+    for i, sched in enumerate(accelerator._schedulers):
+        _load_into(f"scheduler_{i}", sched, reader.component(f"scheduler_{i}"), directory)
+    if accelerator.scaler is not None and "scaler" in reader.components():
+        accelerator.scaler.load_state_dict(reader.component("scaler"))
+    for i, obj in enumerate(accelerator._custom_objects):
+        _load_into(f"custom_{i}", obj, reader.component(f"custom_{i}"), directory)
+    accelerator.step = int(reader.component("accelerator")["step"])
+    same_world = reader.world_size == accelerator.num_processes
+    source = rank if same_world else 0
+    for i, shard in enumerate(accelerator._dataloaders):
+        part = reader.index["per_rank"][source]["components"]
+        if f"dataloader_{i}" in part:
+            restore_dataloader(shard, reader.rank_component(source, f"dataloader_{i}"), same_world)
+    if same_world:
+        set_rng_state(reader.rank_component(rank, RNG))
+    else:
+        notes.append(
+            f"checkpoint {directory!r} was written by {reader.world_size} processes and is "
+            f"loaded by {accelerator.num_processes}: model, optimizer, scheduler and custom "
+            "states were restored; per-process RNG states were not (each process keeps its own)"
+        )
+    return notes

@@ -1,0 +1,330 @@
+"""The `mpaccel` command: `mpaccel env` prints a plain-text report to paste into a bug report.
+
+`collect_env_facts()` gathers the facts (collective under mpiexec/srun), `render_env_report()`
+turns them into text (pure, pinned by golden files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, Callable
+
+from . import __version__, _env
+from .device import select_device
+from .discovery import discover
+from .environments import SlurmFacts, detect_launcher
+from .errors import LaunchError
+
+Facts = dict[str, Any]
+
+NO_MPI_HINT = (
+    "`pip install mpich` (or `pip install mpaccel[mpich]`), or point mpi4py at the cluster's "
+    "MPI: MPI4PY_LIBMPI=/path/to/libmpi.so (`module load` the MPI your mpiexec belongs to)"
+)
+_LIBMPI_FILE = re.compile(r"/lib(mpi|mpich|mpi_\w+)\.(so|dylib)[.\d]*$")
+# Column headers of the rank table; a row's key is the header in lower_snake_case.
+_RANK_COLUMNS = ("rank", "host", "local rank", "node", "pid", "CUDA_VISIBLE_DEVICES", "device")
+
+
+# -- gathering -----------------------------------------------------------------------------------
+
+
+def _loaded_libmpi() -> str | None:
+    """The libmpi file(s) this process has mapped (Linux only: mpi4py does not say)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if _LIBMPI_FILE.search(line.rstrip())}
+    except OSError:
+        return None
+    return ", ".join(sorted(paths)) or None
+
+
+def _mpi_facts(env: _env.Snapshot) -> Facts:
+    facts: Facts = {"MPI4PY_LIBMPI": _env.get("mpi4py_libmpi", env)}
+    try:
+        import mpi4py
+        from mpi4py import MPI
+    except ImportError as exc:  # no mpi4py, or no libmpi it can load
+        return {**facts, "error": str(exc)}
+    major, minor = MPI.Get_version()
+    return {
+        **facts,
+        "library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+        "standard": f"{major}.{minor}",
+        "mpi4py": mpi4py.__version__,
+        "extension": os.path.basename(getattr(MPI, "__file__", "") or "") or None,
+        "libmpi": _loaded_libmpi(),
+        "config": {k: str(v) for k, v in mpi4py.get_config().items()},
+    }
+
+
+def _torch_facts() -> Facts:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        return {"error": str(exc)}
+    cuda = torch.cuda.is_available()
+    try:
+        nccl: Any = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except (AttributeError, RuntimeError):  # CPU-only builds have no NCCL bindings
+        nccl = None
+    return {
+        "version": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda_available": cuda,
+        "device_count": torch.cuda.device_count() if cuda else 0,
+        "nccl": nccl,
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+    }
+
+
+def _h5py_facts() -> Facts:
+    try:
+        import h5py
+    except ImportError as exc:
+        return {"error": str(exc)}
+    version = h5py.version
+    return {"version": version.version, "hdf5": version.hdf5_version, "mpi": h5py.get_config().mpi}
+
+
+def _version_of(module: str) -> str:
+    try:
+        return str(__import__(module).__version__)
+    except ImportError as exc:
+        return f"not importable ({exc})"
+
+
+def _device_of(env: _env.Snapshot, torch_facts: Facts, local_rank: int, local_size: int) -> str:
+    try:
+        return select_device(
+            _env.get_bool("use_cpu", False, env),
+            bool(torch_facts.get("cuda_available")),
+            int(torch_facts.get("device_count") or 0),
+            local_rank,
+            local_size,
+        )
+    except LaunchError:
+        return "none (fewer GPUs than local ranks)"
+
+
+def collect_env_facts() -> Facts:
+    """Collective: every process of the job must call this (it runs process discovery).
+
+    Returns the same shape on every rank; `facts["rank"]` says whose they are, and only rank 0
+    holds every rank's row (others hold an empty list).
+    """
+    env = _env.snapshot()  # before mpi4py initialises MPI, which may consume launcher variables
+    launcher = detect_launcher(env)
+    facts: Facts = {
+        "mpaccel": __version__,
+        "python": f"{platform.python_version()} ({platform.python_implementation()}, "
+        f"{sys.executable})",
+        "platform": platform.platform(),
+        "launcher": {"name": launcher.name, "expected": launcher.expected_world_size()},
+        "launch_problem": None,
+        "warnings": [],
+        "ranks": [],
+        "rank": _env.rank_before_init(env) or 0,
+    }
+    try:
+        slurm = SlurmFacts.from_env(env)
+        facts["slurm"] = dataclasses.asdict(slurm) if slurm.in_job else None
+    except LaunchError as exc:
+        facts["slurm"] = {"error": exc.message}
+    facts["torch"] = _torch_facts()
+    try:
+        discovery = discover(_env.get_float("timeout", env) or 300.0, env=env)
+    except LaunchError as exc:
+        facts["launch_problem"] = {"message": exc.message, "hint": exc.hint}
+    else:
+        info = discovery.info
+        row = {
+            "rank": info.process_index,
+            "host": info.hostname,
+            "local_rank": info.local_process_index,
+            "node": info.node_index,
+            "pid": os.getpid(),
+            "cuda_visible_devices": _env.get("cuda_visible_devices", env),
+            "device": _device_of(
+                env, facts["torch"], info.local_process_index, info.local_num_processes
+            ),
+        }
+        rows = discovery.comm.allgather(row, what="mpaccel env")
+        facts["rank"] = info.process_index
+        facts["ranks"] = rows if info.is_main_process else []
+        facts["warnings"] = list(discovery.warnings)
+    facts["mpi"] = _mpi_facts(env)
+    facts["h5py"] = _h5py_facts()
+    facts["numpy"] = _version_of("numpy")
+    facts["hostlist"] = _version_of("hostlist")
+    return facts
+
+
+# -- rendering -----------------------------------------------------------------------------------
+
+
+def _text(value: Any, missing: str = "-") -> str:
+    if value is None or value == "" or (isinstance(value, (list, tuple)) and not value):
+        return missing
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
+def _section(title: str, rows: Sequence[tuple[str, Any]] = (), lines: Sequence[str] = ()) -> str:
+    body = [f"{label:<21}{_text(value)}" for label, value in rows] + list(lines)
+    return "\n".join([title, "-" * len(title), *body])
+
+
+def _table(rows: Sequence[Facts]) -> list[str]:
+    keys = [header.lower().replace(" ", "_") for header in _RANK_COLUMNS]
+    cells = [list(_RANK_COLUMNS)] + [[_text(row.get(key)) for key in keys] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(_RANK_COLUMNS))]
+    return ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+
+
+def _layout_section(facts: Facts) -> str:
+    rows = facts.get("ranks") or []
+    if facts.get("launch_problem"):
+        return _section("ranks", lines=["not available: see the launch problem above"])
+    nodes = len({row["node"] for row in rows})
+    title = f"ranks ({len(rows)} process{'es' if len(rows) != 1 else ''} on {nodes} node"
+    title += "s)" if nodes != 1 else ")"
+    notes = [f"note: {text}" for text in facts.get("warnings") or []]
+    return _section(title, lines=[*_table(rows), *notes])
+
+
+def _mpi_section(mpi: Facts) -> str:
+    rows = [("MPI4PY_LIBMPI", mpi["MPI4PY_LIBMPI"])] if mpi.get("MPI4PY_LIBMPI") else []
+    if "error" in mpi:
+        lines = [f"mpi4py cannot load an MPI library: {mpi['error']}", f"HINT: {NO_MPI_HINT}"]
+        return _section("MPI", rows, lines)
+    config = ", ".join(f"{k}={v}" for k, v in sorted(mpi.get("config", {}).items()))
+    rows = [
+        ("library", mpi.get("library")),
+        ("MPI standard", mpi.get("standard")),
+        ("mpi4py", mpi.get("mpi4py")),
+        ("mpi4py extension", mpi.get("extension")),
+        ("libmpi loaded", _text(mpi.get("libmpi"), "not discoverable on this platform")),
+        ("mpi4py build config", config or "none recorded (binary wheel)"),
+        *rows,
+    ]
+    return _section("MPI", rows)
+
+
+def _slurm_section(slurm: Facts | None) -> str:
+    if slurm is None:
+        return _section("Slurm", lines=["not in a Slurm job"])
+    if "error" in slurm:
+        return _section("Slurm", lines=[f"SLURM_* variables unreadable: {slurm['error']}"])
+    array = None
+    if slurm.get("array_job_id"):
+        array = f"{slurm['array_job_id']}_{_text(slurm.get('array_task_id'), '?')}"
+    nodelist = slurm.get("job_nodelist") or []
+    rows = [
+        ("job id", slurm.get("job_id")),
+        ("array job_task", array),
+        ("step id", _text(slurm.get("step_id"), "- (batch shell, not an srun step)")),
+        ("ntasks", slurm.get("ntasks")),
+        ("step tasks", slurm.get("step_num_tasks")),
+        (f"nodelist ({len(nodelist)})", nodelist),
+    ]
+    if list(slurm.get("nodelist") or []) != list(nodelist):
+        rows.append((f"step nodelist ({len(slurm['nodelist'])})", slurm["nodelist"]))
+    rows += [
+        ("tasks per node", slurm.get("tasks_per_node")),
+        ("restart count", slurm.get("restart_count")),
+        ("mpi type", _text(slurm.get("mpi_type"), "- (SLURM_MPI_TYPE unset)")),
+    ]
+    return _section("Slurm", rows)
+
+
+def _library_section(facts: Facts) -> str:
+    torch, h5py = facts.get("torch", {}), facts.get("h5py", {})
+    rows: list[tuple[str, Any]] = []
+    if "error" in torch:
+        rows.append(("torch", f"not importable ({torch['error']})"))
+    else:
+        rows += [
+            ("torch", torch.get("version")),
+            ("CUDA (build)", _text(torch.get("cuda_build"), "none (CPU-only build)")),
+            ("CUDA available", torch.get("cuda_available")),
+            ("CUDA devices", torch.get("device_count")),
+            ("NCCL", _text(torch.get("nccl"), "not available")),
+            ("gloo", torch.get("gloo")),
+        ]
+    if "error" in h5py:
+        rows.append(("h5py", f"not importable ({h5py['error']})"))
+    else:
+        rows += [("h5py", h5py["version"]), ("HDF5", h5py["hdf5"]), ("h5py MPI", h5py["mpi"])]
+    rows += [("numpy", facts.get("numpy")), ("python-hostlist", facts.get("hostlist"))]
+    return _section("libraries", rows)
+
+
+def render_env_report(facts: Facts) -> str:
+    """The report text for `facts` (as `collect_env_facts()` returns them on rank 0). Pure."""
+    launcher = facts.get("launcher", {})
+    about = [(k, facts.get(k.lower())) for k in ("mpaccel", "Python", "platform")]
+    sections = [_section("mpaccel env", about)]
+    problem = facts.get("launch_problem")
+    if problem:
+        hint = [f"HINT: {problem['hint']}"] if problem.get("hint") else []
+        sections.append(_section("launch problem", lines=[problem["message"], *hint]))
+    expected = _text(launcher.get("expected"), "- (the launcher does not say)")
+    launcher_rows = [("detected", launcher.get("name")), ("expected processes", expected)]
+    sections += [
+        _mpi_section(facts.get("mpi", {})),
+        _section("launcher", launcher_rows),
+        _layout_section(facts),
+        _slurm_section(facts.get("slurm")),
+        _library_section(facts),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+# -- command line --------------------------------------------------------------------------------
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    facts = collect_env_facts()
+    if facts["rank"] == 0:
+        sys.stdout.write(render_env_report(facts))
+        sys.stdout.flush()
+    return 1 if facts["launch_problem"] else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpaccel", description="Tools for PyTorch jobs run with mpaccel."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    env = commands.add_parser(
+        "env",
+        help="print a report of the MPI, launcher, Slurm and library setup (for bug reports)",
+        description="Print a report for bug reports. Under mpiexec/srun run it on every rank "
+        "(`mpiexec -n 4 mpaccel env`): rank 0 prints the table of all ranks.",
+    )
+    env.set_defaults(run=_run_env)
+    # Further command groups (`mpaccel ckpt ls|verify|export`) register here, each as
+    # commands.add_parser(...) with its own sub-subparsers and a `run` default.
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
+    if run is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return run(args)

@@ -1,0 +1,326 @@
+"""HDF5 checkpoints. The bodies run at size 1 and under mpiexec -n 2 / -n 4."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from mpaccel import Accelerator, AcceleratorState, CollectiveError, GradientState
+from mpaccel.checkpoint import CheckpointReader, load_model_state
+from mpaccel.checkpoint.format import flatten, parse_size, unflatten
+from mpaccel.utils import ProjectConfiguration
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+class Progress:
+    """A custom object: registered for checkpointing."""
+
+    def __init__(self):
+        self.epoch, self.step, self.history = 0, 0, []
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "step": self.step, "history": list(self.history)}
+
+    def load_state_dict(self, state):
+        self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
+
+
+def _setup(seed_model=0, mixed_precision="no", **kwargs):
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(mixed_precision=mixed_precision, **kwargs)
+    torch.manual_seed(seed_model)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    g = torch.Generator().manual_seed(42)
+    data = TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 1, generator=g))
+    torch.manual_seed(7)  # the shuffling seed agreed in prepare() follows this on rank 0
+    loader = DataLoader(data, batch_size=24 // acc.num_processes, shuffle=True)
+    model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+    progress = Progress()
+    acc.register_for_checkpointing(progress)
+    return acc, model, opt, sched, loader, progress
+
+
+def _train(acc, model, opt, sched, loader, progress, epochs, stop_at=None, save_to=None):
+    """Train; save_state(save_to) and stop (returning True) right after global step `stop_at`
+    (saving inside the loop: the dataloader is mid-epoch)."""
+    for epoch in range(progress.epoch, epochs):
+        progress.epoch = epoch
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            noise = torch.randn(1).item() * 1e-3  # consumes the torch RNG: must resume equal
+            loss = torch.nn.functional.mse_loss(model(x), y) + noise
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            progress.step += 1
+            progress.history.append(round(acc.reduce(loss.detach(), "mean").item(), 6))
+            if stop_at is not None and progress.step == stop_at:
+                random.random(), np.random.rand()  # RNG use before the save...
+                acc.save_state(save_to)
+                random.random(), np.random.rand()  # ...and after it must not matter
+                return True
+        progress.epoch = epoch + 1
+    return False
+
+
+def _params(acc, model):
+    return torch.cat([p.detach().flatten() for p in acc.unwrap_model(model).parameters()])
+
+
+def test_resume_equals_uninterrupted_run(mpi_tmp_path, comm):
+    acc, model, opt, sched, loader, progress = _setup()
+    _train(acc, model, opt, sched, loader, progress, epochs=3)
+    expected_params, expected_history = _params(acc, model), list(progress.history)
+
+    # Interrupted: stop mid-epoch, save, "restart" with other initial weights, load, go on.
+    acc, model, opt, sched, loader, progress = _setup()
+    assert _train(acc, model, opt, sched, loader, progress, epochs=3, stop_at=6,
+                  save_to=mpi_tmp_path / "ckpt")
+    acc, model, opt, sched, loader, progress = _setup(seed_model=123)
+    acc.load_state(mpi_tmp_path / "ckpt")
+    assert progress.step == 6 and acc.step == 0
+    for epoch in range(progress.epoch, 3):
+        progress.epoch = epoch
+        for x, y in loader:  # the rest of the interrupted epoch, then whole epochs
+            noise = torch.randn(1).item() * 1e-3
+            loss = torch.nn.functional.mse_loss(model(x), y) + noise
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            progress.step += 1
+            progress.history.append(round(acc.reduce(loss.detach(), "mean").item(), 6))
+        if epoch + 1 < 3:
+            loader.set_epoch(epoch + 1)
+    assert progress.history == expected_history
+    assert torch.equal(_params(acc, model), expected_params)
+    assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0])
+
+
+def test_round_trip_of_every_component(mpi_tmp_path, comm):
+    acc, model, opt, sched, loader, progress = _setup(mixed_precision="fp16")
+    _train(acc, model, opt, sched, loader, progress, epochs=1)
+    random.seed(comm.rank)
+    np.random.seed(comm.rank)
+    torch.manual_seed(99 + comm.rank)
+    acc.save_state(mpi_tmp_path / "all")
+    expected = {
+        "model": {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()},
+        "opt": opt.state_dict(), "sched": sched.state_dict(), "scaler": acc.scaler.state_dict(),
+        "py": random.random(), "np": np.random.rand(), "torch": torch.rand(1),
+    }
+    random.seed(1000)
+    np.random.seed(1000)
+    acc2, model2, opt2, sched2, _, progress2 = _setup(seed_model=5, mixed_precision="fp16")
+    acc2.load_state(mpi_tmp_path / "all")
+    for key, value in acc2.unwrap_model(model2).state_dict().items():
+        assert torch.equal(value, expected["model"][key]), key
+    got = opt2.state_dict()
+    assert got["param_groups"] == expected["opt"]["param_groups"]
+    for pid, state in expected["opt"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got["state"][pid][name], value), (pid, name)
+    assert sched2.state_dict() == expected["sched"]
+    assert acc2.scaler.state_dict() == expected["scaler"]
+    assert progress2.state_dict() == progress.state_dict()
+    assert random.random() == expected["py"] and np.random.rand() == expected["np"]
+    assert torch.equal(torch.rand(1), expected["torch"])
+
+
+def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm):
+    acc = Accelerator()
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)
+    model = acc.prepare(model)
+    target = mpi_tmp_path / "model"
+    acc.save_model(model, target, max_shard_size="20KB")
+    index = json.loads((target / "model.index.json").read_text())
+    # 8 KiB bf16 weight + 128 B bias per layer: two layers fit in 20 KB, so three shards
+    assert len(index["shards"]) == 3
+    per_shard = {}
+    for entry in index["tensors"].values():
+        per_shard[entry["file"]] = per_shard.get(entry["file"], 0) + entry["nbytes"]
+    assert max(per_shard.values()) <= 20_000
+    assert set(os.listdir(target)) == set(index["shards"]) | {"model.index.json"}
+    state = load_model_state(target)
+    for key, value in acc.unwrap_model(model).state_dict().items():
+        assert state[key].dtype == torch.bfloat16 and torch.equal(state[key], value), key
+    acc.save_model(model, target, max_shard_size="1MB")
+    acc.wait_for_everyone()
+    index = json.loads((target / "model.index.json").read_text())
+    assert index["shards"] == sorted(f for f in os.listdir(target) if f.endswith(".h5"))
+    assert len(index["shards"]) == 1
+
+
+def test_no_pickle_anywhere(mpi_tmp_path, comm):
+    acc, model, opt, sched, loader, progress = _setup()
+    _train(acc, model, opt, sched, loader, progress, epochs=1)
+    acc.save_state(mpi_tmp_path / "s")
+    acc.wait_for_everyone()
+    for path in glob.glob(str(mpi_tmp_path / "s" / "*.h5")):
+        with h5py.File(path) as f:
+            def check(name, obj):
+                if isinstance(obj, h5py.Dataset):
+                    assert obj.dtype.kind in "biuf", (path, name, obj.dtype)
+            f.visititems(check)
+        assert b"\x80\x04\x95" not in open(path, "rb").read()
+    json.loads((mpi_tmp_path / "s" / "state.index.json").read_text())  # plain JSON
+
+
+def test_unserialisable_custom_state_names_the_key(mpi_tmp_path, comm):
+    acc, *_ = _setup()
+
+    class Bad:
+        def state_dict(self):
+            return {"ok": 1, "callback": (lambda: 0) if acc.process_index == comm.size - 1 else 1}
+
+        def load_state_dict(self, state):
+            pass
+
+    acc.register_for_checkpointing(Bad())
+    with pytest.raises(CollectiveError) as info:
+        acc.save_state(mpi_tmp_path / "bad")
+    assert info.value.failed_ranks == [comm.size - 1]
+    assert "custom_1/callback" in str(info.value) and "function" in str(info.value)
+    with pytest.raises(TypeError, match="state_dict"):
+        acc.register_for_checkpointing(object())
+
+
+def _corrupt_one_byte(directory):
+    shard = sorted(glob.glob(os.path.join(directory, "state-*-00001-of-*.h5")))[0]
+    with h5py.File(shard, "r") as f:
+        name = next(n for n in f["model_0"])
+        offset = f["model_0"][name].id.get_offset()
+    with open(shard, "r+b") as raw:
+        raw.seek(offset + 3)
+        byte = raw.read(1)
+        raw.seek(offset + 3)
+        raw.write(bytes([byte[0] ^ 0xFF]))
+    return shard, name
+
+
+def test_errors_are_raised_on_every_rank(mpi_tmp_path, comm):
+    acc, model, opt, sched, loader, progress = _setup()
+    good = mpi_tmp_path / "good"
+    acc.save_state(good)
+    # missing checkpoint
+    with pytest.raises(CollectiveError, match="does not exist"):
+        acc.load_state(mpi_tmp_path / "nowhere")
+    # unwritable directory (a file stands where a directory must go)
+    if acc.is_main_process:
+        (mpi_tmp_path / "afile").write_text("x")
+    acc.wait_for_everyone()
+    with pytest.raises(CollectiveError, match="cannot create checkpoint directory"):
+        acc.save_state(mpi_tmp_path / "afile" / "ckpt")
+    # incomplete checkpoint: no index
+    if acc.is_main_process:
+        os.makedirs(mpi_tmp_path / "partial")
+    acc.wait_for_everyone()
+    with pytest.raises(CollectiveError, match="state.index.json is missing"):
+        acc.load_state(mpi_tmp_path / "partial")
+    # corrupted byte
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        _corrupt_one_byte(good)
+    acc.wait_for_everyone()
+    with pytest.raises(CollectiveError) as info:
+        acc.load_state(good)
+    assert info.value.failed_ranks == list(range(comm.size))
+    assert "checksum mismatch" in str(info.value) and "00001-of-" in str(info.value)
+    # mismatched model: a missing and an unexpected key, named
+    acc.save_state(mpi_tmp_path / "fresh")
+    AcceleratorState._reset_state(True)
+    acc2 = Accelerator()
+    other = acc2.prepare(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 2)))
+    acc2.prepare(torch.optim.AdamW(other.parameters()))
+    with pytest.raises(CollectiveError) as info:
+        acc2.load_state(mpi_tmp_path / "fresh")
+    assert "model_0" in str(info.value)
+
+
+def test_automatic_naming_rotation_and_latest(mpi_tmp_path, comm):
+    config = ProjectConfiguration(project_dir=str(mpi_tmp_path), automatic_checkpoint_naming=True,
+                                  total_limit=2)
+    acc, model, *_ = _setup(project_config=config)
+    saved = []
+    for _ in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        saved.append(_params(acc, model).clone())
+        acc.save_state()
+    acc.wait_for_everyone()
+    names = sorted(os.listdir(mpi_tmp_path / "checkpoints"))
+    assert names == ["checkpoint_2", "checkpoint_3"]
+    assert acc.save_iteration == 4
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    acc.load_state()
+    assert torch.equal(_params(acc, model), saved[3])
+    # debris of an interrupted save (no index) is never taken for the latest
+    if acc.is_main_process:
+        os.makedirs(mpi_tmp_path / "checkpoints" / "checkpoint_9")
+    acc.wait_for_everyone()
+    acc.load_state()
+    assert acc.save_iteration == 4
+
+
+def test_async_save_snapshots_and_commits(mpi_tmp_path, comm):
+    acc, model, opt, sched, loader, progress = _setup()
+    before = _params(acc, model).clone()
+    acc.save_state(mpi_tmp_path / "a1", async_save=True)
+    with torch.no_grad():  # training goes on while the save is written
+        for p in model.parameters():
+            p.mul_(0)
+    acc.save_state(mpi_tmp_path / "a2", async_save=True)  # waits for the first
+    acc.wait_for_checkpoint()
+    acc.load_state(mpi_tmp_path / "a1")
+    assert torch.equal(_params(acc, model), before)
+    acc.load_state(mpi_tmp_path / "a2")
+    assert _params(acc, model).abs().sum() == 0
+
+
+def test_reader_verify_and_listing(mpi_tmp_path, comm):
+    acc, *_ = _setup()
+    acc.save_state(mpi_tmp_path / "v")
+    acc.wait_for_everyone()
+    with CheckpointReader(str(mpi_tmp_path / "v"), "state") as reader:
+        assert reader.verify() == []
+        assert reader.world_size == comm.size
+        assert {"model_0", "optimizer_0", "scheduler_0", "custom_0"} <= set(reader.components())
+
+
+def test_flatten_round_trip_and_sizes():
+    tree = {"a": (1, 2.5, float("inf")), 3: [torch.ones(2, dtype=torch.bfloat16)],
+            "n": np.arange(3, dtype=np.uint32), "s": np.float64(1.5), "d": torch.float16,
+            "__x": None}
+    document, tensors = flatten(tree, "t")
+    json.dumps(document)  # JSON all the way down
+    back = unflatten(document, lambda name, kind: tensors[name])
+    assert back["a"] == (1, 2.5, float("inf")) and back[3][0].dtype == torch.bfloat16
+    assert back["n"].dtype == np.uint32 and back["s"] == 1.5 and back["d"] is torch.float16
+    assert back["__x"] is None
+    assert parse_size("10GB") == 10**10 and parse_size("500MB") == 5 * 10**8
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size(1234) == 1234
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("big")
