@@ -61,6 +61,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "use_cpu": ("MPACCEL_USE_CPU", "ACCELERATE_USE_CPU"),
     "test_timeout": ("MPACCEL_TEST_TIMEOUT",),
     "mpiexec": ("MPACCEL_MPIEXEC",),
+    "ci": ("CI",),
 }
 
 Snapshot = Mapping[str, str]
@@ -104,9 +105,7 @@ def get_int(logical: str, env: Mapping[str, str] | None = None) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(
-            f"environment variable {source_name(logical, env)}={value!r} is not an integer"
-        ) from None
+        raise _bad(logical, env, value, "an integer") from None
 
 
 def get_float(logical: str, env: Mapping[str, str] | None = None) -> float | None:
@@ -116,9 +115,7 @@ def get_float(logical: str, env: Mapping[str, str] | None = None) -> float | Non
     try:
         return float(value)
     except ValueError:
-        raise ValueError(
-            f"environment variable {source_name(logical, env)}={value!r} is not a number"
-        ) from None
+        raise _bad(logical, env, value, "a number") from None
 
 
 def get_bool(logical: str, default: bool, env: Mapping[str, str] | None = None) -> bool:
@@ -130,9 +127,17 @@ def get_bool(logical: str, default: bool, env: Mapping[str, str] | None = None) 
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
-    raise ValueError(
-        f"environment variable {source_name(logical, env)}={value!r} is not a boolean "
-        "(use 1/0, true/false, yes/no or on/off)"
+    raise _bad(logical, env, value, "a boolean (1/0, true/false, yes/no, on/off)")
+
+
+def _bad(logical: str, env: Mapping[str, str] | None, value: str, kind: str) -> Exception:
+    from .errors import ConfigurationError  # a ValueError; imported late: errors is tiny anyway
+
+    name = source_name(logical, env)
+    return ConfigurationError(
+        f"environment variable {name}={value!r} is not {kind}",
+        f"fix or unset {name}; launchers and Slurm set their variables themselves, so a "
+        "hand-exported one is the usual cause.",
     )
 
 

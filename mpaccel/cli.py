@@ -50,7 +50,7 @@ def _mpi_facts(env: _env.Snapshot) -> Facts:
     try:
         import mpi4py
         from mpi4py import MPI
-    except ImportError as exc:  # no mpi4py, or no libmpi it can load
+    except (ImportError, RuntimeError) as exc:  # no mpi4py, or no libmpi it can load
         return {**facts, "error": str(exc)}
     major, minor = MPI.Get_version()
     return {
@@ -67,22 +67,22 @@ def _mpi_facts(env: _env.Snapshot) -> Facts:
 def _torch_facts() -> Facts:
     try:
         import torch
-        import torch.distributed as dist
     except ImportError as exc:
         return {"error": str(exc)}
     cuda = torch.cuda.is_available()
-    try:
-        nccl: Any = torch.cuda.nccl.version()
-        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-    except (AttributeError, RuntimeError):  # CPU-only builds have no NCCL bindings
+    try:  # a tuple (2, 26, 2) on torch 2.x; CPU-only builds have no NCCL bindings at all
+        nccl: str | None = ".".join(map(str, torch.cuda.nccl.version()))
+    except (AttributeError, RuntimeError, TypeError):
         nccl = None
+    from .distributed import gloo_available
+
     return {
         "version": torch.__version__,
         "cuda_build": torch.version.cuda,
         "cuda_available": cuda,
         "device_count": torch.cuda.device_count() if cuda else 0,
         "nccl": nccl,
-        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "gloo": gloo_available(),
     }
 
 
@@ -103,16 +103,16 @@ def _version_of(module: str) -> str:
 
 
 def _device_of(env: _env.Snapshot, torch_facts: Facts, local_rank: int, local_size: int) -> str:
+    cpu = _env.get_bool("use_cpu", False, env)
+    cuda, count = bool(torch_facts.get("cuda_available")), int(torch_facts.get("device_count", 0))
     try:
-        return select_device(
-            _env.get_bool("use_cpu", False, env),
-            bool(torch_facts.get("cuda_available")),
-            int(torch_facts.get("device_count") or 0),
-            local_rank,
-            local_size,
-        )
+        return select_device(cpu, cuda, count, local_rank, local_size)
     except LaunchError:
         return "none (fewer GPUs than local ranks)"
+
+
+def _problem(exc: Exception) -> Facts:
+    return {"message": getattr(exc, "message", str(exc)), "hint": getattr(exc, "hint", None)}
 
 
 def collect_env_facts() -> Facts:
@@ -122,29 +122,41 @@ def collect_env_facts() -> Facts:
     holds every rank's row (others hold an empty list).
     """
     env = _env.snapshot()  # before mpi4py initialises MPI, which may consume launcher variables
-    launcher = detect_launcher(env)
+    unread = "not read: see the launch problem above"
     facts: Facts = {
         "mpaccel": __version__,
         "python": f"{platform.python_version()} ({platform.python_implementation()}, "
         f"{sys.executable})",
         "platform": platform.platform(),
-        "launcher": {"name": launcher.name, "expected": launcher.expected_world_size()},
+        "launcher": {"name": unread, "expected": None},
+        "slurm": {"error": unread},
         "launch_problem": None,
         "warnings": [],
         "ranks": [],
         "rank": _env.rank_before_init(env) or 0,
+        "torch": _torch_facts(),
+        "mpi": _mpi_facts(env),  # imports mpi4py.MPI (MPI_Init) as discover() would
     }
-    try:
+    discovery = None
+    try:  # a malformed launcher variable is a launch problem to report, not a crash of the report
+        launcher = detect_launcher(env)
+        facts["launcher"] = {"name": launcher.name, "expected": launcher.expected_world_size()}
         slurm = SlurmFacts.from_env(env)
         facts["slurm"] = dataclasses.asdict(slurm) if slurm.in_job else None
-    except LaunchError as exc:
-        facts["slurm"] = {"error": exc.message}
-    facts["torch"] = _torch_facts()
-    try:
-        discovery = discover(_env.get_float("timeout", env) or 300.0, env=env)
-    except LaunchError as exc:
-        facts["launch_problem"] = {"message": exc.message, "hint": exc.hint}
+        timeout = _env.get_float("timeout", env) or 300.0
+    except (LaunchError, ValueError) as exc:
+        facts["launch_problem"] = _problem(exc)
     else:
+        try:
+            discovery = discover(timeout, env=env)
+        except LaunchError as exc:
+            facts["launch_problem"] = _problem(exc)
+        except RuntimeError as exc:  # mpi4py 4 raises this, not ImportError, for a bad libmpi
+            if "error" not in facts["mpi"]:
+                raise
+            message = f"mpi4py cannot load an MPI library: {exc}"
+            facts["launch_problem"] = {"message": message, "hint": NO_MPI_HINT}
+    if discovery is not None:
         info = discovery.info
         row = {
             "rank": info.process_index,
@@ -161,7 +173,6 @@ def collect_env_facts() -> Facts:
         facts["rank"] = info.process_index
         facts["ranks"] = rows if info.is_main_process else []
         facts["warnings"] = list(discovery.warnings)
-    facts["mpi"] = _mpi_facts(env)
     facts["h5py"] = _h5py_facts()
     facts["numpy"] = _version_of("numpy")
     facts["hostlist"] = _version_of("hostlist")
@@ -226,14 +237,14 @@ def _slurm_section(slurm: Facts | None) -> str:
     if slurm is None:
         return _section("Slurm", lines=["not in a Slurm job"])
     if "error" in slurm:
-        return _section("Slurm", lines=[f"SLURM_* variables unreadable: {slurm['error']}"])
+        return _section("Slurm", lines=[f"SLURM_* variables {slurm['error']}"])
     array = None
     if slurm.get("array_job_id"):
         array = f"{slurm['array_job_id']}_{_text(slurm.get('array_task_id'), '?')}"
     nodelist = slurm.get("job_nodelist") or []
     rows = [
         ("job id", slurm.get("job_id")),
-        ("array job_task", array),
+        ("array (job_task)", array),
         ("step id", _text(slurm.get("step_id"), "- (batch shell, not an srun step)")),
         ("ntasks", slurm.get("ntasks")),
         ("step tasks", slurm.get("step_num_tasks")),

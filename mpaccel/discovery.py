@@ -42,7 +42,7 @@ def load_mpi(launcher: Launcher) -> Any | None:
     """Import mpi4py.MPI (this calls MPI_Init); None when there is no MPI and none is needed."""
     try:
         from mpi4py import MPI
-    except ImportError as exc:  # mpi4py present but no libmpi, or mpi4py missing
+    except (ImportError, RuntimeError) as exc:  # no libmpi (mpi4py 4 raises RuntimeError)
         expected = launcher.expected_world_size()
         if isinstance(launcher, SingleProcess) or not expected or expected == 1:
             return None

@@ -93,6 +93,10 @@ def backend_for(device: torch.device, requested: str | None) -> str:
     return requested
 
 
+def gloo_available() -> bool:
+    return dist.is_available() and dist.is_gloo_available()
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

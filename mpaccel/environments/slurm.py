@@ -143,8 +143,10 @@ class SrunLauncher(Launcher):
 
     @classmethod
     def detect(cls, env):
-        facts = SlurmFacts.from_env(env)
-        return facts.in_step and facts.procid is not None
+        return (
+            _env.get("slurm_step_num_tasks", env) is not None
+            and _env.get("slurm_procid", env) is not None
+        )
 
     def __init__(self, env: Snapshot) -> None:
         super().__init__(env)
@@ -171,7 +173,7 @@ class SlurmBatchShell(Launcher):
 
     @classmethod
     def detect(cls, env):
-        return SlurmFacts.from_env(env).in_job
+        return _env.get("slurm_job_id", env) is not None
 
     def expected_world_size(self):
         return None

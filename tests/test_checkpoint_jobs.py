@@ -1,0 +1,167 @@
+"""Checkpoints across whole jobs: another world size, a job killed in the middle of a save,
+a full disk. Driven from the size-1 pass with real mpiexec runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from mpaccel import _env
+from mpaccel.checkpoint import CheckpointReader, latest_checkpoint
+from mpaccel.testing import run_mpi
+from mpaccel.testing.launch import mpiexec_command
+
+pytestmark = pytest.mark.mpi(size=1)
+
+COMMON = """
+import sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+from mpaccel import Accelerator
+from mpaccel.utils import ProjectConfiguration
+
+def build(**kwargs):
+    acc = Accelerator(**kwargs)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    data = TensorDataset(torch.randn(96, 8, generator=torch.Generator().manual_seed(1)),
+                         torch.randn(96, 1, generator=torch.Generator().manual_seed(2)))
+    loader = DataLoader(data, batch_size=24 // acc.num_processes)
+    return (acc, *acc.prepare(model, opt, sched, loader))
+
+def digest(acc, model):
+    total = sum(p.double().sum().item() for p in acc.unwrap_model(model).parameters())
+    return repr(round(total, 10))
+"""
+
+
+def _write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(COMMON) + textwrap.dedent(body))
+    return str(path)
+
+
+def test_save_at_four_load_at_one_and_two(tmp_path):
+    saver = _write(tmp_path, "save.py", """
+        acc, model, opt, sched, loader = build()
+        for step, (x, y) in enumerate(loader):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step(); sched.step(); opt.zero_grad()
+            if step == 1:
+                acc.save_state(sys.argv[1])
+                print(digest(acc, model), sched.get_last_lr()[0])
+                break
+    """)
+    loader_script = _write(tmp_path, "load.py", """
+        import warnings
+        warnings.simplefilter("always")
+        acc, model, opt, sched, loader = build()
+        acc.load_state(sys.argv[1])
+        batches = sum(1 for _ in loader)   # the rest of the interrupted epoch
+        print(digest(acc, model), sched.get_last_lr()[0], batches)
+    """)
+    target = str(tmp_path / "ckpt")
+    saved = run_mpi([saver, target], n=4, timeout=180).check()
+    digest, lr = saved.stdout[0].split()
+    assert all(out.split() == [digest, lr] for out in saved.stdout)
+    with CheckpointReader(target, "state") as reader:
+        assert reader.world_size == 4 and reader.verify() == []
+    for n in (1, 2):
+        run = run_mpi([loader_script, target], n=n, timeout=180).check()
+        # two global batches of 24 of 96 were consumed: two of four remain, whatever n is
+        assert run.stdout[0].split() == [digest, lr, "2"], run.describe()
+        assert "per-process RNG states were not" in run.stderr[0]
+
+
+CRASH_JOB = """
+    import os
+    acc = Accelerator(project_config=ProjectConfiguration(
+        project_dir=sys.argv[1], automatic_checkpoint_naming=True, total_limit=3))
+    big = acc.prepare(torch.nn.Linear(2048, 2048))   # 16 MiB of weights: a save takes a while
+    inner = acc.unwrap_model(big)
+    for i in range(1000):
+        with torch.no_grad():
+            inner.weight.fill_(float(i)); inner.bias.fill_(float(i))
+        acc.save_state()
+        print("saved", i, flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.13, 0.31])
+def test_job_killed_during_save_leaves_last_checkpoint_loadable(tmp_path, delay):
+    script = _write(tmp_path, "crash.py", CRASH_JOB)
+    project = tmp_path / "project"
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    argv, extra = mpiexec_command(2)
+    proc = subprocess.Popen(
+        [*argv, sys.executable, "-m", "mpaccel.testing.rankio", str(outdir), script, str(project)],
+        env=_env.child_environment(extra), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "saved 2" not in _read(outdir / "rank-0.out"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the job ended or stalled before its third save:\n"
+                            + _read(outdir / "rank-0.err") + _read(outdir / "rank-1.err"))
+            time.sleep(0.01)
+        time.sleep(delay)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    latest = latest_checkpoint(str(project))
+    assert latest is not None
+    number, path = latest
+    with CheckpointReader(path, "state") as reader:
+        assert reader.verify() == []
+        weight = reader.component("model_0")["weight"]
+    assert torch.all(weight == float(number))  # the checkpoint is whole, not half old/half new
+    # anything newer is debris without an index, never taken for a checkpoint
+    newer = [d for d in os.listdir(project / "checkpoints") if int(d.split("_")[1]) > number]
+    for name in newer:
+        assert not os.path.exists(project / "checkpoints" / name / "state.index.json")
+
+
+def _read(path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        if _env.get("ci"):
+            pytest.fail(f"cannot mount a tmpfs in CI: {result.stderr}")
+        pytest.skip(f"needs root to mount a small tmpfs: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_disk_full_is_an_error_on_every_rank(tmp_path, tiny_disk):
+    script = _write(tmp_path, "full.py", """
+        from mpaccel import CollectiveError
+        acc = Accelerator()
+        model = acc.prepare(torch.nn.Linear(256, 1024))   # 1 MiB: does not fit in 256 KiB
+        try:
+            acc.save_model(model, sys.argv[1], max_shard_size="300KB")
+        except CollectiveError as exc:
+            print("raised", exc.failed_ranks, "No space left" in str(exc))
+    """)
+    run = run_mpi([script, str(tiny_disk / "model")], n=2, timeout=120).check()
+    assert run.stdout[0].split("raised")[1].strip().endswith("True")
+    assert run.stdout[0] == run.stdout[1]
+    leftovers = os.listdir(tiny_disk / "model") if (tiny_disk / "model").exists() else []
+    assert leftovers == [], leftovers  # no partial shard, no index

@@ -1,0 +1,202 @@
+"""`mpaccel env`: the report format pinned by golden files, and the command run for real at size 1,
+under mpiexec -n 2, and after a launch mistake."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpaccel import _env
+from mpaccel.cli import main, render_env_report
+from mpaccel.environments import SlurmFacts
+from mpaccel.testing import run_mpi
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _common(**overrides):
+    facts = {
+        "mpaccel": "0.1.0",
+        "python": "3.11.7 (CPython, /opt/venv/bin/python)",
+        "platform": "Linux-5.14.0-x86_64-with-glibc2.34",
+        "launch_problem": None,
+        "warnings": [],
+        "rank": 0,
+        "mpi": {
+            "MPI4PY_LIBMPI": None,
+            "library": "MPICH Version: 5.0.2",
+            "standard": "5.0",
+            "mpi4py": "4.1.2",
+            "extension": "MPI.mpich.cpython-311-x86_64-linux-gnu.so",
+            "libmpi": "/opt/venv/lib/libmpi.so.12",
+            "config": {},
+        },
+        "torch": {
+            "version": "2.13.0+cu126",
+            "cuda_build": "12.6",
+            "cuda_available": True,
+            "device_count": 2,
+            "nccl": "2.26.2",
+            "gloo": True,
+        },
+        "h5py": {"version": "3.16.0", "hdf5": "2.0.0", "mpi": False},
+        "numpy": "2.4.6",
+        "hostlist": "2.3.0",
+    }
+    facts.update(overrides)
+    return facts
+
+
+def _row(rank, host, local, node, pid, visible, device):
+    return {
+        "rank": rank,
+        "host": host,
+        "local_rank": local,
+        "node": node,
+        "pid": pid,
+        "cuda_visible_devices": visible,
+        "device": device,
+    }
+
+
+def two_nodes_in_slurm():
+    env = {
+        "SLURM_JOB_ID": "812345",
+        "SLURM_ARRAY_JOB_ID": "812340",
+        "SLURM_ARRAY_TASK_ID": "5",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_RESTART_COUNT": "1",
+        "SLURM_MPI_TYPE": "pmi2",
+    }
+    return _common(
+        launcher={"name": "Slurm srun", "expected": 4},
+        warnings=["the job has 8 task slot(s) but this step runs 4 process(es)"],
+        slurm=dataclasses.asdict(SlurmFacts.from_env(env)),
+        ranks=[
+            _row(0, "gpu07", 0, 0, 40211, "0,1", "cuda:0"),
+            _row(1, "gpu07", 1, 0, 40212, "0,1", "cuda:1"),
+            _row(2, "gpu08", 0, 1, 51877, "0,1", "cuda:0"),
+            _row(3, "gpu08", 1, 1, 51878, "0,1", "cuda:1"),
+        ],
+    )
+
+
+def single_without_slurm():
+    return _common(
+        launcher={"name": "single process (no launcher)", "expected": 1},
+        slurm=None,
+        ranks=[_row(0, "laptop", 0, 0, 4242, None, "cpu")],
+        torch={
+            "version": "2.13.0+cpu",
+            "cuda_build": None,
+            "cuda_available": False,
+            "device_count": 0,
+            "nccl": None,
+            "gloo": True,
+        },
+    )
+
+
+def launch_problem_without_libmpi():
+    return _common(
+        launcher={"name": "Open MPI mpirun", "expected": 4},
+        slurm=None,
+        ranks=[],
+        launch_problem={
+            "message": "Open MPI mpirun started 4 processes but mpi4py cannot load an MPI "
+            "library: cannot load MPI library",
+            "hint": "install one into the environment (`pip install mpich`), or point mpi4py at "
+            "the cluster's: MPI4PY_LIBMPI=/path/to/libmpi.so.",
+        },
+        mpi={"MPI4PY_LIBMPI": "/nowhere/libmpi.so", "error": "cannot load MPI library"},
+        h5py={"error": "No module named 'h5py'"},
+    )
+
+
+@pytest.mark.parametrize(
+    "name, facts",
+    [
+        ("env_report.txt", two_nodes_in_slurm),
+        ("env_single.txt", single_without_slurm),
+        ("env_launch_problem.txt", launch_problem_without_libmpi),
+    ],
+)
+def test_report_matches_golden_file(name, facts):
+    # On an intended format change, edit the golden file by hand and review the diff.
+    assert render_env_report(facts()) == (GOLDEN / name).read_text()
+
+
+def _python_m_mpaccel(*args, extra_env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "mpaccel", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env.child_environment(extra_env),
+    )
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "env" in capsys.readouterr().err
+
+
+@pytest.mark.mpi(size=1)
+def test_env_at_size_one():
+    import torch
+
+    run = _python_m_mpaccel("env")
+    assert run.returncode == 0, run.stderr
+    assert "single process (no launcher)" in run.stdout
+    assert f"torch                {torch.__version__}" in run.stdout
+    assert "ranks (1 process on 1 node)" in run.stdout
+    assert "launch problem" not in run.stdout
+
+
+@pytest.mark.mpi(size=1)
+def test_env_under_mpiexec_prints_one_table_on_rank_zero():
+    run = run_mpi(["-m", "mpaccel", "env"], n=2, timeout=120).check()
+    out = run.stdout[0]
+    assert "ranks (2 processes on 1 node)" in out
+    table = out.split("ranks (2 processes on 1 node)")[1].split("\n\n")[0].splitlines()[2:]
+    assert [line.split()[0] for line in table] == ["rank", "0", "1"]
+    assert len({line.split()[4] for line in table[1:]}) == 2  # two different pids
+    assert run.stdout[1] == ""
+
+
+@pytest.mark.mpi(size=1)
+def test_launch_mistake_is_reported_with_exit_1():
+    # The Open MPI launcher says 4 processes; mpi4py loads MPICH, which sees a world of 1.
+    run = _python_m_mpaccel("env", extra_env={"OMPI_COMM_WORLD_SIZE": "4"})
+    assert run.returncode == 1, run.stdout + run.stderr
+    problem = run.stdout.split("launch problem\n--------------\n")[1].split("\n\n")[0]
+    assert "silent singletons" in problem
+    assert "HINT:" in problem and "MPI4PY_LIBMPI" in problem
+    assert "MPICH Version" in run.stdout  # the rest of the report is still there
+
+
+@pytest.mark.mpi(size=1)
+def test_unloadable_mpi_library_is_reported():
+    # With no launcher, a job without MPI still runs as one process: the report says why MPI
+    # is missing, and the launch itself is not a problem.
+    run = _python_m_mpaccel("env", extra_env={"MPI4PY_LIBMPI": "/nonexistent/libmpi.so"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    mpi = run.stdout.split("MPI\n---\n")[1].split("\n\n")[0]
+    assert "MPI4PY_LIBMPI        /nonexistent/libmpi.so" in mpi
+    assert "mpi4py cannot load an MPI library" in mpi
+    assert "HINT: `pip install mpich`" in mpi
+    assert "launch problem" not in run.stdout
+    # Under a launcher that started 4 processes, the same is a launch problem.
+    run = _python_m_mpaccel("env", extra_env={"MPI4PY_LIBMPI": "/nonexistent/libmpi.so",
+                                              "OMPI_COMM_WORLD_SIZE": "4"})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "launch problem" in run.stdout and "cannot load an MPI library" in run.stdout
