@@ -326,8 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(`mpiexec -n 4 mpaccel env`): rank 0 prints the table of all ranks.",
     )
     env.set_defaults(run=_run_env)
-    # Further command groups (`mpaccel ckpt ls|verify|export`) register here, each as
-    # commands.add_parser(...) with its own sub-subparsers and a `run` default.
+    from .checkpoint.cli import add_commands
+
+    add_commands(commands)
     return parser
 
 

@@ -1,0 +1,113 @@
+"""`mpaccel ckpt ls|verify|export DIR`: inspect, check and convert checkpoints (one process)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .format import CheckpointError
+from .storage import CheckpointReader
+
+STEMS = ("state", "model")
+
+
+def _open(directory: str, stem: str | None) -> CheckpointReader:
+    stems = [stem] if stem else [s for s in STEMS
+                                 if os.path.isfile(os.path.join(directory, f"{s}.index.json"))]
+    if not stems:
+        raise CheckpointError(
+            f"{directory!r} holds no committed checkpoint (no state.index.json or "
+            "model.index.json)",
+            "an interrupted save leaves no index; point at a complete checkpoint.",
+        )
+    return CheckpointReader(directory, stems[0])
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    with _open(args.directory, args.stem) as reader:
+        index = reader.index
+        print(f"{args.directory}: {reader.stem} checkpoint, format {index['format_version']}, "
+              f"written by {index['world_size']} process(es) at {index['created']}")
+        rows = [("tensor", "dtype", "shape", "size", "shard")]
+        total = 0
+        for key, entry in sorted(index["tensors"].items()):
+            rows.append((key, entry["dtype"], "x".join(map(str, entry["shape"])) or "scalar",
+                         _size(entry["nbytes"]), entry["file"]))
+            total += entry["nbytes"]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        for row in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        print(f"{len(rows) - 1} tensors, {_size(total)} in {len(index['shards'])} shard(s)"
+              + (f", {len(index['per_rank'])} per-rank file(s)" if index["per_rank"] else ""))
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    with _open(args.directory, args.stem) as reader:
+        problems = reader.verify()
+        count = len(reader.index["tensors"]) + sum(len(p["tensors"])
+                                                   for p in reader.index["per_rank"])
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    print(f"{args.directory}: {count - len(problems)} of {count} tensors verified"
+          + ("" if not problems else f", {len(problems)} FAILED"))
+    return 1 if problems else 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise CheckpointError(
+            "export to safetensors needs the safetensors package",
+            "pip install 'mpaccel[safetensors]'",
+        ) from None
+    with _open(args.directory, args.stem) as reader:
+        component = args.component or ("model" if reader.stem == "model" else "model_0")
+        tree = reader.component(component)
+    tensors = {k: v for k, v in tree.items() if hasattr(v, "shape")}
+    if len(tensors) != len(tree):
+        raise CheckpointError(f"{component!r} is not a flat state_dict of tensors")
+    out = args.output or os.path.join(args.directory, f"{component}.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out, metadata={"format": "pt"})
+    print(f"wrote {len(tensors)} tensors of {component!r} to {out}")
+    return 0
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    ckpt = commands.add_parser("ckpt", help="inspect, verify and export checkpoints")
+    actions = ckpt.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    for name, run, text in (
+        ("ls", run_ls, "list tensors: dtype, shape, size, shard"),
+        ("verify", run_verify, "check every tensor's checksum (exit 1 on any mismatch)"),
+        ("export", run_export, "write a model's weights as a safetensors file"),
+    ):
+        parser = actions.add_parser(name, help=text, description=text)
+        parser.add_argument("directory")
+        parser.add_argument("--stem", choices=STEMS, help="which index (default: state, model)")
+        if name == "export":
+            parser.add_argument("--to", choices=["safetensors"], default="safetensors")
+            parser.add_argument("--component", help="model_0 (save_state) or model (save_model)")
+            parser.add_argument("--output", help="default: DIR/COMPONENT.safetensors")
+        parser.set_defaults(run=_guarded(run))
+
+
+def _guarded(run):
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except CheckpointError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+
+    return wrapper

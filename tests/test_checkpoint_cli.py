@@ -1,0 +1,76 @@
+"""`mpaccel ckpt ls|verify|export` on real checkpoints (one process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mpaccel import Accelerator, AcceleratorState
+
+pytestmark = pytest.mark.mpi(size=1)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "mpaccel", "ckpt", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    AcceleratorState._reset_state(True)
+    acc = Accelerator()
+    torch.manual_seed(0)
+    model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)))
+    acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.save_state(tmp_path / "state")
+    acc.save_model(model, tmp_path / "model", max_shard_size="60B")
+    yield tmp_path, acc.unwrap_model(model).state_dict()
+    AcceleratorState._reset_state(True)
+
+
+def test_ls(saved):
+    root, _ = saved
+    run = _cli("ls", str(root / "model"))
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert "model checkpoint, format 1, written by 1 process(es)" in lines[0]
+    weight = next(line for line in lines if line.startswith("model/0.weight"))
+    assert weight.split()[1:4] == ["float32", "3x4", "48"]
+    assert weight.split()[-1].startswith("model-") and weight.endswith(".h5")
+    assert lines[-1] == "4 tensors, 92 B in 2 shard(s)"  # 48 + 12 + 24 + 8 bytes, 60 B shards
+    state = _cli("ls", str(root / "state"))
+    assert "model_0/1.bias" in state.stdout and "per-rank file(s)" in state.stdout
+
+
+def test_verify_detects_a_flipped_byte(saved):
+    root, _ = saved
+    assert _cli("verify", str(root / "state")).returncode == 0
+    from test_checkpoint import _corrupt_one_byte
+
+    _corrupt_one_byte(str(root / "state"))
+    run = _cli("verify", str(root / "state"))
+    assert run.returncode == 1
+    assert "checksum mismatch" in run.stderr and "FAILED" in run.stdout
+
+
+def test_export_to_safetensors(saved, tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    root, state = saved
+    out = tmp_path / "weights.safetensors"
+    run = _cli("export", str(root / "model"), "--to", "safetensors", "--output", str(out))
+    assert run.returncode == 0, run.stderr
+    loaded = load_file(str(out))
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    run = _cli("export", str(root / "state"), "--output", str(tmp_path / "s.safetensors"))
+    assert run.returncode == 0 and "model_0" in run.stdout
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    run = _cli("ls", str(tmp_path))
+    assert run.returncode == 1 and "holds no committed checkpoint" in run.stderr
