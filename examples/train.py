@@ -7,6 +7,10 @@
 Shows: prepare(), gradient accumulation, clipping, a progress bar on the main process only,
 evaluation with gather_for_metrics (each validation sample counted exactly once), and early
 stopping agreed across processes with set_trigger()/check_trigger().
+
+With --project-dir it checkpoints (HDF5, rotated) and resumes from the latest checkpoint; with
+--preemptible it also stops cleanly on SIGUSR1/SIGTERM (Slurm's --signal, preemption, wall time):
+checkpoint at the next step, requeue the job, exit; the requeued job resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from mpaccel import Accelerator
+from mpaccel.checkpoint import latest_checkpoint
 from mpaccel.logging import get_logger
+from mpaccel.utils import ProjectConfiguration
 
 try:
     from tqdm.auto import tqdm
@@ -53,14 +59,52 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--patience", type=int, default=4, help="epochs without improvement")
     p.add_argument("--target-accuracy", type=float, default=0.97, help="stop early once reached")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--project-dir", help="checkpoint here (checkpoints/checkpoint_N) and resume")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: once per epoch")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    p.add_argument(
+        "--preemptible",
+        action="store_true",
+        help="on SIGUSR1/SIGTERM: checkpoint, requeue the Slurm job, exit",
+    )
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="seconds of sleep per step "
+        "(to make a short run last long enough to be preempted in tests)",
+    )
     return p.parse_args()
+
+
+class Progress:
+    """Where the loop is, saved with every checkpoint (register_for_checkpointing)."""
+
+    def __init__(self) -> None:
+        self.epoch, self.step, self.best, self.stale = 0, 0, math.inf, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "best": self.best, "stale": self.stale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.best, self.stale = state["best"], state["stale"]
 
 
 def main() -> None:
     args = parse_args()
+    config = None
+    if args.project_dir:
+        config = ProjectConfiguration(
+            project_dir=args.project_dir, automatic_checkpoint_naming=True, total_limit=args.keep
+        )
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.accumulation, mixed_precision=args.mixed_precision
+        gradient_accumulation_steps=args.accumulation,
+        mixed_precision=args.mixed_precision,
+        project_config=config,
     )
+    if args.preemptible:
+        accelerator.handle_preemption()  # SIGUSR1/SIGTERM are recorded, acted on below
     torch.manual_seed(args.seed)  # same seed everywhere: same shuffles, same init on rank 0
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 128),
@@ -86,11 +130,20 @@ def main() -> None:
         f"per epoch, {args.accumulation} per optimizer step"
     )
 
-    best, stale, start = math.inf, 0, time.perf_counter()
-    samples = 0
-    for epoch in range(args.epochs):
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if args.project_dir and latest_checkpoint(args.project_dir):
+        accelerator.load_state()  # the latest complete checkpoint: weights, optimizer, RNG, data
+        accelerator.print(
+            f"resumed at epoch {progress.epoch}, step {progress.step} "
+            f"(restart {accelerator.restart_count})"
+        )
+
+    start, samples = time.perf_counter(), 0
+    for epoch in range(progress.epoch, args.epochs):
+        progress.epoch = epoch
         model.train()
-        train.set_epoch(epoch)
+        train.set_epoch(epoch)  # after a resume: the same order, minus the batches already seen
         # A bar on the main process only; None lets tqdm hide it when output is not a terminal.
         bar = (
             tqdm(
@@ -114,8 +167,23 @@ def main() -> None:
                 scheduler.step()
                 optimizer.zero_grad()
             samples += x.shape[0]
+            progress.step += 1
             if tqdm is not None and accelerator.is_main_process:
                 bar.set_postfix(loss=f"{loss.item():.4f}")
+            if args.step_delay:
+                time.sleep(args.step_delay)
+            if args.preemptible and accelerator.should_stop():
+                accelerator.print(
+                    f"{accelerator.preempted or 'a signal'} received: stopping "
+                    f"at epoch {epoch}, step {progress.step}"
+                )
+                accelerator.checkpoint_and_exit()  # every rank saves; rank 0 requeues; exit 0
+            if (
+                args.project_dir
+                and args.checkpoint_every
+                and (progress.step % args.checkpoint_every == 0)
+            ):
+                accelerator.save_state()
         if accelerator.check_trigger():
             accelerator.print("a process saw a non-finite loss: stopping")
             break
@@ -142,10 +210,13 @@ def main() -> None:
         assert total == args.val_samples  # gather_for_metrics dropped the padding duplicates
 
         # Early stopping: decided on the main process, obeyed everywhere.
-        stale = 0 if val_loss < best - 1e-4 else stale + 1
-        best = min(best, val_loss)
+        progress.stale = 0 if val_loss < progress.best - 1e-4 else progress.stale + 1
+        progress.best = min(progress.best, val_loss)
+        progress.epoch = epoch + 1
+        if args.project_dir and not args.checkpoint_every:
+            accelerator.save_state()
         if accelerator.is_main_process and (
-            stale >= args.patience or accuracy >= args.target_accuracy
+            progress.stale >= args.patience or accuracy >= args.target_accuracy
         ):
             accelerator.set_trigger()
         if accelerator.check_trigger():
@@ -155,6 +226,9 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     throughput = accelerator.reduce(torch.tensor(float(samples)), "sum").item() / elapsed
     accelerator.print(f"done in {elapsed:.1f} s, {throughput:.0f} training samples/s overall")
+    weights = accelerator.unwrap_model(model).parameters()
+    digest = sum(p.detach().double().sum().item() for p in weights)
+    accelerator.print(f"final parameter digest {digest:.10f} after {progress.step} steps")
     accelerator.wait_for_everyone()
 
 

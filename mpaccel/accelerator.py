@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from . import checkpoint, distributed, ops
+from . import slurm as slurm_support
 from .data import DataLoaderShard, prepare_data_loader
 from .errors import ConfigurationError
 from .state import AcceleratorState, GradientState, PartialState
@@ -131,6 +132,7 @@ class Accelerator:
         self._data_seed: int | None = dataloader_config.data_seed
         self._custom_objects: list[Any] = []
         self._async_saver = checkpoint.AsyncSaver()
+        self._preemption: slurm_support.Preemption | None = None
 
     # -- facts (delegated to the state) --------------------------------------------------------
 
@@ -569,6 +571,54 @@ class Accelerator:
     def wait_for_checkpoint(self) -> None:
         """Collective in effect: block until an async save is committed (re-raises its error)."""
         self._async_saver.wait()
+
+    # -- preemption (Slurm) ----------------------------------------------------------------------
+
+    def handle_preemption(
+        self, signals: Any = slurm_support.DEFAULT_SIGNALS, requeue: bool = True
+    ) -> None:
+        """Not collective. From now on SIGUSR1/SIGTERM (Slurm's --signal, preemption, the
+        wall-time limit) are only recorded; the loop then asks should_stop() at step
+        boundaries and calls checkpoint_and_exit(). `requeue`: put the job back in the queue."""
+        if self._preemption is not None:
+            self._preemption.uninstall()
+        self._preemption = slurm_support.Preemption(signals, requeue)
+        self._preemption.install()
+
+    def should_stop(self) -> bool:
+        """Collective: True on every rank once any rank received a preemption signal, at the
+        first optimizer-step boundary from then on (mid-accumulation it waits for the step, so
+        the checkpoint holds no half-accumulated gradients). One MPI all-reduce of an int;
+        False without one when handle_preemption() was not called."""
+        if self._preemption is None:
+            return False
+        return self._preemption.check(self._partial.comm) and self.sync_gradients
+
+    @property
+    def preempted(self) -> str | None:
+        """The signal that stopped the job ('SIGUSR1', ...), None if none arrived here."""
+        return None if self._preemption is None else self._preemption.signal_name
+
+    def checkpoint_and_exit(self, output_dir: str | None = None, exit_code: int = 0) -> None:
+        """Collective: save_state() (committed, even if async saves are pending), then rank 0
+        requeues the Slurm job if handle_preemption(requeue=True), then every rank exits."""
+        directory = self.save_state(output_dir)
+        self.wait_for_checkpoint()
+        requeued = False
+        if self.is_main_process and self._preemption is not None and self._preemption.requeue:
+            requeued = slurm_support.requeue()
+        self.print(
+            f"mpaccel: checkpoint {directory} committed"
+            + ("; job requeued" if requeued else "")
+            + "; exiting"
+        )
+        self.wait_for_everyone()
+        slurm_support.exit_cleanly(exit_code)
+
+    @property
+    def restart_count(self) -> int:
+        """SLURM_RESTART_COUNT: 0 on the first run, n after n requeues."""
+        return slurm_support.restart_count()
 
     @property
     def save_iteration(self) -> int:

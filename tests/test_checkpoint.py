@@ -329,3 +329,18 @@ def test_flatten_round_trip_and_sizes():
     assert parse_size("2GiB") == 2 * 2**30 and parse_size(1234) == 1234
     with pytest.raises(ValueError, match="not a size"):
         parse_size("big")
+
+
+def test_save_mid_accumulation_keeps_partial_gradients(mpi_tmp_path, comm):
+    acc, model, opt, sched, loader, progress = _setup(gradient_accumulation_steps=2)
+    x, y = next(iter(loader))
+    with acc.accumulate(model):
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+    assert not acc.sync_gradients
+    grads = [p.grad.clone() for p in acc.unwrap_model(model).parameters()]
+    acc.save_state(mpi_tmp_path / "mid")
+    acc2, model2, *_ = _setup(seed_model=3, gradient_accumulation_steps=2)
+    acc2.load_state(mpi_tmp_path / "mid")
+    assert acc2.step == 1
+    for p, g in zip(acc2.unwrap_model(model2).parameters(), grads):
+        assert torch.equal(p.grad, g)

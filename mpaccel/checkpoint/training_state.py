@@ -94,6 +94,14 @@ def collect(accelerator: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     per_rank: dict[str, Any] = {RNG: rng_state()}
     for i, shard in enumerate(accelerator._dataloaders):
         per_rank[f"dataloader_{i}"] = dataloader_position(shard)
+    if not accelerator.sync_gradients:
+        # Saved mid-accumulation: the gradients summed so far are part of the state (and, under
+        # DDP's no_sync, differ from rank to rank).
+        for i, model in enumerate(accelerator._models):
+            per_rank[f"gradients_{i}"] = {
+                name: p.grad for name, p in accelerator.unwrap_model(model).named_parameters()
+                if p.grad is not None
+            }
     return shared, per_rank
 
 
@@ -145,6 +153,17 @@ def restore(accelerator: Any, reader: Any, rank: int) -> list[str]:
         part = reader.index["per_rank"][source]["components"]
         if f"dataloader_{i}" in part:
             restore_dataloader(shard, reader.rank_component(source, f"dataloader_{i}"), same_world)
+    for i, model in enumerate(accelerator._models):
+        if f"gradients_{i}" not in reader.index["per_rank"][source]["components"]:
+            continue
+        if not same_world:
+            notes.append(f"{directory!r} was saved mid-accumulation; the partial gradients of "
+                         "each process cannot be mapped to another world size and were dropped")
+            continue
+        grads = reader.rank_component(rank, f"gradients_{i}")
+        for name, p in accelerator.unwrap_model(model).named_parameters():
+            if name in grads:
+                p.grad = grads[name].to(p.device)
     if same_world:
         set_rng_state(reader.rank_component(rank, RNG))
     else:
