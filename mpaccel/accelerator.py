@@ -604,6 +604,12 @@ class Accelerator:
         requeues the Slurm job if handle_preemption(requeue=True), then every rank exits."""
         directory = self.save_state(output_dir)
         self.wait_for_checkpoint()
+        # Finish MPI before requeueing: the requeue kills this job step at once, and MPI
+        # processes killed mid-run leave shared-memory segments that the restarted job (same
+        # job and step id, hence the same segment names under MPICH) would trip over.
+        self.wait_for_everyone()
+        distributed.destroy_process_group()
+        self._partial.comm.finalize()
         requeued = False
         if self.is_main_process and self._preemption is not None and self._preemption.requeue:
             requeued = slurm_support.requeue()
@@ -612,7 +618,6 @@ class Accelerator:
             + ("; job requeued" if requeued else "")
             + "; exiting"
         )
-        self.wait_for_everyone()
         slurm_support.exit_cleanly(exit_code)
 
     @property

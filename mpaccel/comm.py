@@ -124,6 +124,10 @@ class Comm(Protocol):
         """Not collective: end the whole job now."""
         ...
 
+    def finalize(self) -> None:
+        """Collective: shut MPI down (nothing may use it afterwards)."""
+        ...
+
 
 class NullComm:
     """The world of one process. Collectives are identities; errors still come out collective."""
@@ -161,6 +165,9 @@ class NullComm:
         import os
 
         os._exit(code)
+
+    def finalize(self) -> None:
+        return None
 
 
 class MPIComm:
@@ -355,3 +362,7 @@ class MPIComm:
 
     def abort(self, code: int = 1) -> None:
         self._MPI.COMM_WORLD.Abort(code)
+
+    def finalize(self) -> None:
+        if not self._MPI.Is_finalized():
+            self._MPI.Finalize()

@@ -1,0 +1,164 @@
+"""The Slurm templates and mpaccel's Slurm support on a real Slurm: a private two-node cluster
+brought up by slurm/cluster.sh (root and apt-get needed; skipped elsewhere, never in CI)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpaccel import _env
+
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.slow]
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CLUSTER = ROOT / "slurm" / "cluster.sh"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+TRAIN_ARGS = ["--epochs", "4", "--train-samples", "2000", "--target-accuracy", "2",
+              "--patience", "99"]
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    up = subprocess.run(["bash", str(CLUSTER), "up", "--nodes", "2"], capture_output=True,
+                        text=True, timeout=600)
+    if up.returncode == 77:
+        reason = f"no private Slurm cluster here: {up.stderr.strip()}"
+        if _env.get("ci"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    assert up.returncode == 0, up.stderr
+    exports = subprocess.run(["bash", str(CLUSTER), "env"], capture_output=True, text=True,
+                             check=True).stdout
+    extra = dict(re.findall(r"export (\w+)=['\"]?([^'\"\n]*)['\"]?", exports))
+    # Jobs inherit this environment: the same Python (with mpaccel, mpi4py and MPICH) as the tests.
+    extra["PATH"] = f"{pathlib.Path(sys.executable).parent}:{_env.child_environment()['PATH']}"
+    yield _env.child_environment(extra)
+    subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=120)
+
+
+def _run(env, *command, timeout=120):
+    return subprocess.run(list(command), env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def _submit(env, tmp_path, template, *args, options=()):
+    out = tmp_path / "%x-%j.out"
+    result = _run(env, "sbatch", "--parsable", f"--output={out}", *options,
+                  str(ROOT / "slurm" / template), *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+def _job(env, job_id) -> dict[str, str]:
+    text = _run(env, "scontrol", "show", "job", "-o", job_id).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+def _wait(env, job_id, timeout=240, until=TERMINAL) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = _job(env, job_id)
+        if info.get("JobState") in until:
+            return info
+        time.sleep(0.5)
+    _run(env, "scancel", job_id)
+    pytest.fail(f"job {job_id} still {_job(env, job_id).get('JobState')} after {timeout} s")
+
+
+def _output(tmp_path, job_id) -> str:
+    return "".join(p.read_text() for p in tmp_path.glob(f"*-{job_id}.out"))
+
+
+def test_srun_layout_on_two_nodes(slurm_env):
+    probe = ("from mpaccel import PartialState; s = PartialState(); "
+             "print(s.process_index, s.local_process_index, s.node_index, s.num_nodes, "
+             "s.num_processes, flush=True)")
+    run = _run(slurm_env, "srun", "--mpi=pmi2", "-N", "2", "--ntasks-per-node=2",
+               "python", "-c", probe)
+    assert run.returncode == 0, run.stderr
+    rows = sorted(tuple(map(int, line.split())) for line in run.stdout.splitlines())
+    assert rows == [(0, 0, 0, 2, 4), (1, 1, 0, 2, 4), (2, 0, 1, 2, 4), (3, 1, 1, 2, 4)]
+
+
+def test_srun_without_mpi_plugin_fails_fast_with_hint(slurm_env):
+    start = time.monotonic()
+    run = _run(slurm_env, "srun", "--mpi=none", "-n", "2", "python", "-c",
+               "from mpaccel import PartialState; PartialState()")
+    assert run.returncode != 0
+    assert "silent singletons" in run.stderr and "srun --mpi=pmi2" in run.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_procid_expanded_by_the_batch_shell(slurm_env, tmp_path):
+    # Double quotes: the batch shell expands $SLURM_PROCID (to 0) before srun starts the tasks.
+    script = tmp_path / "bad.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        'srun --mpi=pmi2 -n 2 bash -c "SLURM_PROCID=$SLURM_PROCID python -c '
+        "'from mpaccel import PartialState; PartialState()'\"\n"
+    )
+    result = _run(slurm_env, "sbatch", "--parsable", "-n", "2",
+                  f"--output={tmp_path}/%x-%j.out", str(script))
+    job = result.stdout.strip()
+    info = _wait(slurm_env, job)
+    assert info["JobState"] == "FAILED"
+    text = _output(tmp_path, job)
+    assert "SLURM_PROCID repeats" in text and "single quotes" in text
+
+
+@pytest.mark.parametrize(("template", "expect"), [
+    ("single_node.sbatch", "4 process(es) on 1 node(s)"),
+    ("multi_node.sbatch", "4 process(es) on 2 node(s)"),
+])
+def test_templates_run_the_example(slurm_env, tmp_path, template, expect):
+    job = _submit(slurm_env, tmp_path, template, "--epochs", "2", "--train-samples", "2000")
+    info = _wait(slurm_env, job)
+    text = _output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED", text
+    assert expect in text and "final parameter digest" in text
+
+
+def test_array_sweep(slurm_env, tmp_path):
+    job = _submit(slurm_env, tmp_path, "array.sbatch", "--epochs", "1", "--train-samples",
+                  "1000", options=["--array=0-1", f"--output={tmp_path}/%x-%A_%a.out"])
+    for task in ("0", "1"):
+        info = _wait(slurm_env, f"{job}_{task}")
+        assert info["JobState"] == "COMPLETED"
+    outputs = [p.read_text() for p in sorted(tmp_path.glob(f"*-{job}_*.out"))]
+    assert len(outputs) == 2 and all("final parameter digest" in o for o in outputs)
+    assert "lr 1e-3" in outputs[0] and "lr 3e-3" in outputs[1]
+
+
+def test_preemption_checkpoints_requeues_and_resumes_exactly(slurm_env, tmp_path):
+    # The uninterrupted run, same arguments, same number of processes.
+    reference = _run(slurm_env, "srun", "--mpi=pmi2", "-n", "2", "python",
+                     "examples/train.py", *TRAIN_ARGS, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    expected = re.search(r"final parameter digest (\S+) after (\d+) steps", reference.stdout)
+    assert expected
+
+    project = tmp_path / "project"
+    job = _submit(slurm_env, tmp_path, "preemptible.sbatch", *TRAIN_ARGS, "--step-delay", "0.05",
+                  options=["--ntasks=2", f"--export=ALL,PROJECT_DIR={project}"])
+    deadline = time.monotonic() + 120
+    while "epoch   0" not in _output(tmp_path, job):  # training is under way
+        assert time.monotonic() < deadline, _output(tmp_path, job)
+        assert _job(slurm_env, job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING")
+        time.sleep(0.2)
+    signalled = _run(slurm_env, "scancel", "--signal=USR1", job)
+    assert signalled.returncode == 0, signalled.stderr
+    info = _wait(slurm_env, job, timeout=300, until={"COMPLETED", "FAILED", "CANCELLED",
+                                                     "TIMEOUT", "NODE_FAIL"})
+    text = _output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED", text
+    assert int(info.get("Restarts", "0")) == 1, text
+    assert "SIGUSR1 received: stopping" in text and "job requeued" in text
+    assert "resumed at epoch" in text and "(restart 1)" in text
+    assert f"final parameter digest {expected.group(1)} after {expected.group(2)} steps" in text
+    assert os.path.isdir(project / "checkpoints")
