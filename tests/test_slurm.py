@@ -126,13 +126,15 @@ def test_templates_run_the_example(slurm_env, tmp_path, template, expect):
 
 def test_array_sweep(slurm_env, tmp_path):
     job = _submit(slurm_env, tmp_path, "array.sbatch", "--epochs", "1", "--train-samples",
-                  "1000", options=["--array=0-1", f"--output={tmp_path}/%x-%A_%a.out"])
+                  "1000", options=["--array=0-1", f"--output={tmp_path}/%x-%A_%a.out",
+                                   f"--export=ALL,SWEEP_DIR={tmp_path}/sweep"])
     for task in ("0", "1"):
         info = _wait(slurm_env, f"{job}_{task}")
         assert info["JobState"] == "COMPLETED"
     outputs = [p.read_text() for p in sorted(tmp_path.glob(f"*-{job}_*.out"))]
     assert len(outputs) == 2 and all("final parameter digest" in o for o in outputs)
     assert "lr 1e-3" in outputs[0] and "lr 3e-3" in outputs[1]
+    assert sorted(os.listdir(tmp_path / "sweep")) == ["lr-1e-3", "lr-3e-3"]
 
 
 def test_preemption_checkpoints_requeues_and_resumes_exactly(slurm_env, tmp_path):
