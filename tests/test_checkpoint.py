@@ -13,19 +13,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from mpaccel import Accelerator, AcceleratorState, CollectiveError, GradientState
+from mpaccel import Accelerator, AcceleratorState, CollectiveError
 from mpaccel.checkpoint import CheckpointReader, load_model_state
 from mpaccel.checkpoint.format import flatten, parse_size, unflatten
+from mpaccel.testing import reset_state
 from mpaccel.utils import ProjectConfiguration
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 class Progress:
@@ -42,8 +34,7 @@ class Progress:
 
 
 def _setup(seed_model=0, mixed_precision="no", **kwargs):
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_state()
     acc = Accelerator(mixed_precision=mixed_precision, **kwargs)
     torch.manual_seed(seed_model)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
@@ -99,19 +90,8 @@ def test_resume_equals_uninterrupted_run(mpi_tmp_path, comm):
     acc, model, opt, sched, loader, progress = _setup(seed_model=123)
     acc.load_state(mpi_tmp_path / "ckpt")
     assert progress.step == 6 and acc.step == 0
-    for epoch in range(progress.epoch, 3):
-        progress.epoch = epoch
-        for x, y in loader:  # the rest of the interrupted epoch, then whole epochs
-            noise = torch.randn(1).item() * 1e-3
-            loss = torch.nn.functional.mse_loss(model(x), y) + noise
-            acc.backward(loss)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            progress.step += 1
-            progress.history.append(round(acc.reduce(loss.detach(), "mean").item(), 6))
-        if epoch + 1 < 3:
-            loader.set_epoch(epoch + 1)
+    # The same loop: set_epoch() replays the interrupted epoch's order, minus what was seen.
+    _train(acc, model, opt, sched, loader, progress, epochs=3)
     assert progress.history == expected_history
     assert torch.equal(_params(acc, model), expected_params)
     assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0])

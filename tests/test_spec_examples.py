@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -14,15 +13,6 @@ from mpaccel import Accelerator, AcceleratorState, GradientState, PartialState
 from mpaccel.state import AcceleratorState as AcceleratorStateFromState
 from mpaccel.state import PartialState as PartialStateFromState
 from mpaccel.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def test_names_and_module_paths():

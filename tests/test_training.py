@@ -9,24 +9,17 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from mpaccel import Accelerator, AcceleratorState, GradientState
+from mpaccel import Accelerator, AcceleratorState
 from mpaccel.errors import ConfigurationError
+from mpaccel.testing import reset_state
 from mpaccel.utils import GradientAccumulationPlugin
 
 GLOBAL_BATCH = 16
 
 
 def _fresh(**kwargs) -> Accelerator:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_state()
     return Accelerator(**kwargs)
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _data(n=64, seed=0):

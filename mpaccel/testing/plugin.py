@@ -376,7 +376,9 @@ def comm() -> Any:
     return MPI.COMM_WORLD
 
 
-def _reset_all() -> None:
+def reset_state() -> None:
+    """Forget mpaccel's shared state (PartialState, AcceleratorState, GradientState) so the next
+    Accelerator() starts afresh; discovery and the process group are kept. Not collective."""
     from ..state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -388,9 +390,9 @@ def state() -> Iterator[Any]:
     """A fresh mpaccel PartialState (shared state reset before and after the test)."""
     from ..state import PartialState
 
-    _reset_all()
+    reset_state()
     yield PartialState()
-    _reset_all()
+    reset_state()
 
 
 @pytest.fixture
@@ -398,9 +400,9 @@ def accelerator() -> Iterator[Any]:
     """A fresh mpaccel Accelerator (shared state reset before and after the test)."""
     from ..accelerator import Accelerator
 
-    _reset_all()
+    reset_state()
     yield Accelerator()
-    _reset_all()
+    reset_state()
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
