@@ -12,6 +12,7 @@ branch on "am I distributed".
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 import traceback
@@ -33,8 +34,14 @@ _TAG_QUERY = 7301
 _TAG_REPLY = 7302
 _TAG_ALERT = 7303
 
-_SPIN_SECONDS = 2e-3  # busy-test this long before sleeping: covers a barrier everyone is at
-_MAX_SLEEP = 2e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
+# Waiting has three phases. Spin: test in a tight loop (everyone is there: raw-MPI latency).
+# Yield: test, then sched_yield() so a rank that shares this core and still works (more ranks
+# than cores) gets it, while this one keeps driving MPI progress for the collective's rounds.
+# Sleep: growing sleeps free the CPU entirely for long waits (rank 0 writing a checkpoint).
+# Python runs signal handlers between polls in every phase.
+_SPIN_SECONDS = 1e-4
+_YIELD_SECONDS = 0.05
+_MAX_SLEEP = 1e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
 
 _OPS = {"max", "min", "sum"}
 
@@ -223,6 +230,7 @@ class MPIComm:
                 self._current = None
                 return
         deadline = start + limit
+        yield_until = start + _YIELD_SECONDS
         pause = 2e-5
         while not test():
             self._answer_queries()
@@ -231,6 +239,9 @@ class MPIComm:
             now = time.monotonic()
             if now >= deadline:
                 self._timed_out(what, limit)
+            if now < yield_until:
+                os.sched_yield()
+                continue
             time.sleep(min(pause, max(deadline - now, 0.0)))
             pause = min(pause * 1.5, _MAX_SLEEP)
         self._current = None
