@@ -2,8 +2,8 @@
 
 `MPIComm` is a thin adapter over an mpi4py communicator whose every collective is non-blocking
 and polled: a short spin keeps latency at raw-MPI level when everyone is already there, then
-growing sleeps free the CPU (MPICH's blocking calls busy-poll, stealing cores from the rank that
-is still working) and let Python run signal handlers. Each call has a deadline; on expiry the
+yielding and finally sleeping free the CPU (MPICH's blocking calls busy-poll, stealing cores from
+the rank that is still working) and let Python run signal handlers. Each call has a deadline; on expiry the
 waiting ranks ask each other where they are and raise one error naming the ranks that never came.
 
 `NullComm` is the size-1 world: the same interface, identities for collectives, so callers never
