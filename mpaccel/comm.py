@@ -3,8 +3,9 @@
 `MPIComm` is a thin adapter over an mpi4py communicator whose every collective is non-blocking
 and polled: a short spin keeps latency at raw-MPI level when everyone is already there, then
 yielding and finally sleeping free the CPU (MPICH's blocking calls busy-poll, stealing cores from
-the rank that is still working) and let Python run signal handlers. Each call has a deadline; on expiry the
-waiting ranks ask each other where they are and raise one error naming the ranks that never came.
+the rank that is still working) and let Python run signal handlers. Each call has a deadline; on
+expiry the waiting ranks ask each other where they are and raise one error naming the ranks that
+never came.
 
 `NullComm` is the size-1 world: the same interface, identities for collectives, so callers never
 branch on "am I distributed".

@@ -28,6 +28,7 @@ def _leaves(data: Any) -> list[torch.Tensor]:
 
 
 def _rebuild(data: Any, replace: Callable[[torch.Tensor], Any]) -> Any:
+    """`data` with each tensor replaced by `replace(tensor)`, in the order of _leaves()."""
     if isinstance(data, torch.Tensor):
         return replace(data)
     if isinstance(data, Mapping):
@@ -37,11 +38,6 @@ def _rebuild(data: Any, replace: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(_rebuild(v, replace) for v in data)
     return data
-
-
-def _map(data: Any, function: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply `function` to the leaves in a fixed order (the order of _leaves)."""
-    return _rebuild(data, function)
 
 
 def _metadata(comm: Comm, data: Any, what: str) -> list[list[tuple[tuple[int, ...], str]]]:
@@ -101,7 +97,7 @@ def gather(comm: Comm, data: Any) -> Any:
         pieces = distributed.all_gather(flat, comm.size)
         return torch.cat([piece[:n] for piece, n in zip(pieces, rows)])
 
-    return _map(data, one)
+    return _rebuild(data, one)
 
 
 def gather_object(comm: Comm, obj: Any) -> list[Any]:
@@ -138,7 +134,7 @@ def reduce(comm: Comm, data: Any, reduction: str = "sum", scale: float = 1.0) ->
             out = out / comm.size
         return out * scale if scale != 1.0 else out
 
-    return _map(data, one)
+    return _rebuild(data, one)
 
 
 def broadcast(comm: Comm, data: Any, from_process: int = 0) -> Any:
@@ -148,7 +144,7 @@ def broadcast(comm: Comm, data: Any, from_process: int = 0) -> Any:
     if not 0 <= from_process < comm.size:
         raise ConfigurationError(f"broadcast(from_process={from_process}) is not a rank")
     _check("broadcast", _metadata(comm, data, "broadcast"), same_first_dim=True)
-    return _map(data, lambda t: distributed.broadcast(t, from_process))
+    return _rebuild(data, lambda t: distributed.broadcast(t, from_process))
 
 
 def pad_across_processes(
@@ -178,11 +174,11 @@ def pad_across_processes(
         out[tuple(index)] = tensor
         return out
 
-    return _map(data, one)
+    return _rebuild(data, one)
 
 
 def truncate(data: Any, count: int) -> Any:
     """The first `count` rows of every tensor (and of a plain list)."""
     if isinstance(data, list) and not _leaves(data):
         return data[:count]
-    return _map(data, lambda t: t[:count])
+    return _rebuild(data, lambda t: t[:count])

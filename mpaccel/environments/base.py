@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from .._env import Snapshot
@@ -102,6 +102,3 @@ class Launcher:
             "the launcher and the MPI library mpi4py loaded do not talk to each other; launch with "
             "the mpiexec that belongs to the MPI library mpi4py uses (see `mpaccel env`)."
         )
-
-    def describe(self) -> Mapping[str, str]:
-        return {}
