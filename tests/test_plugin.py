@@ -174,3 +174,18 @@ def test_exit_first_and_keyword_selection(tmp_path):
 def test_no_tests_exit_code_is_uniform(tmp_path):
     run = _run_pytest(tmp_path, "x = 1\n", 2)
     assert run.returncode == 5, run.describe()
+
+
+def test_last_failed_reruns_only_the_failure(tmp_path):
+    body = textwrap.dedent("""
+        def test_ok():
+            pass
+        def test_bad(comm):
+            assert comm.rank != 1
+    """)
+    (tmp_path / "test_lf.py").write_text(body)
+    first = run_mpi(["-m", "pytest", "test_lf.py"], n=2, timeout=180, cwd=tmp_path)
+    assert first.returncode == 1 and "1 failed, 1 passed" in _summary(first.stdout[0])
+    again = run_mpi(["-m", "pytest", "--lf", "test_lf.py"], n=2, timeout=180, cwd=tmp_path)
+    assert again.returncode == 1, again.describe()
+    assert "1 failed, 1 deselected" in _summary(again.stdout[0]), again.describe()
