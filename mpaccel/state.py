@@ -58,6 +58,13 @@ def _install_abort_hook(info: ProcessInfo, comm: Comm) -> None:
     def hook(exc_type, exc, tb):
         text = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip()
         lines = [f"{tag} {line}" for line in text.splitlines()]
+        if _called_from_running_code():
+            # Not an uncaught exception: C extensions report errors they must ignore (Cython's
+            # unraisable errors in __dealloc__, e.g. h5py failing to close a file) through
+            # PyErr_PrintEx, which calls sys.excepthook while the program goes on.
+            lines.append(f"{tag} (reported by an extension while the program runs: not fatal)")
+            os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
+            return
         lines.append(f"{tag} uncaught {exc_type.__name__}: aborting all ranks (MPI_Abort)")
         try:
             sys.stdout.flush()
@@ -69,6 +76,16 @@ def _install_abort_hook(info: ProcessInfo, comm: Comm) -> None:
 
     sys.excepthook = hook
     _abort_hook_installed = True
+
+
+def _called_from_running_code() -> bool:
+    """True when sys.excepthook runs with Python frames below it. The interpreter calls it for
+    an uncaught exception only after unwinding every frame, so then there are none."""
+    try:
+        sys._getframe(2)  # 0: this function, 1: the hook, 2: whoever called the hook
+    except ValueError:
+        return False
+    return True
 
 
 def _limit_threads(info: ProcessInfo) -> None:

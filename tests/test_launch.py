@@ -60,6 +60,29 @@ def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path):
     assert "rank two" not in run.stderr[0]
 
 
+def test_an_error_an_extension_reports_and_ignores_does_not_end_the_job(tmp_path):
+    # Cython's __dealloc__ (h5py closing a file, for one) reports errors it must ignore through
+    # PyErr_PrintEx, which calls sys.excepthook while the program goes on: no abort for those.
+    script = _script(
+        tmp_path,
+        """
+        import ctypes
+        from mpaccel import PartialState
+        state = PartialState()
+        if state.process_index == 1:
+            # raise, then PyErr_Print -> sys.excepthook, all in C, as an extension does
+            ctypes.pythonapi.PyRun_SimpleString(
+                b"raise OSError('cannot close a file in a destructor')")
+        state.wait_for_everyone()
+        print("finished", state.process_index)
+    """,
+    )
+    run = run_mpi([script], n=2, timeout=90).check()
+    assert list(run.stdout) == ["finished 0\n", "finished 1\n"]
+    assert "OSError: cannot close a file in a destructor" in run.stderr[1]
+    assert "not fatal" in run.stderr[1] and "aborting" not in run.stderr[1]
+
+
 def _plain_python(tmp_path, extra_env, body="from mpaccel import PartialState; PartialState()"):
     env = _env.child_environment(extra_env)
     return subprocess.run(

@@ -38,6 +38,7 @@ from .format import (
     to_numpy,
     unflatten,
 )
+from .sink import ErrorKeepingFile
 
 
 def _dataset_name(component: str, name: str) -> str:
@@ -86,22 +87,28 @@ def _write_h5(path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, 
     """Write datasets to `path` atomically (temp name, fsync, rename). Returns their entries."""
     partial = f"{path}.partial"
     entries = {}
-    with h5py.File(partial, "w", libver="latest") as f:
-        f.attrs["format"] = FORMAT_NAME
-        for key, array in arrays.items():
-            # Contiguous, uncompressed, one write: chunking or compression would cost speed.
-            ds = f.create_dataset(key, shape=array.shape, dtype=array.dtype)
-            if array.size:
-                ds.write_direct(array)
-            ds.attrs["torch_dtype"] = dtypes[key]
-            entries[key] = {
-                "file": os.path.basename(path),
-                "dtype": dtypes[key],
-                "shape": list(array.shape),
-                "nbytes": int(array.nbytes),
-                "xxh3": checksum(array),
-            }
-    _fsync_path(partial)
+    # HDF5 writes through a file object that keeps I/O errors from it (see sink.py); they are
+    # raised by finish(), after HDF5 closed the file cleanly.
+    sink = ErrorKeepingFile(partial)
+    try:
+        with h5py.File(sink, "w", libver="latest") as f:
+            f.attrs["format"] = FORMAT_NAME
+            for key, array in arrays.items():
+                # Contiguous, uncompressed, one write: chunking or compression would cost speed.
+                ds = f.create_dataset(key, shape=array.shape, dtype=array.dtype)
+                if array.size:
+                    ds.write_direct(array)
+                ds.attrs["torch_dtype"] = dtypes[key]
+                entries[key] = {
+                    "file": os.path.basename(path),
+                    "dtype": dtypes[key],
+                    "shape": list(array.shape),
+                    "nbytes": int(array.nbytes),
+                    "xxh3": checksum(array),
+                }
+        sink.finish()
+    finally:
+        sink.close()
     os.replace(partial, path)
     return entries
 
