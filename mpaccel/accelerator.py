@@ -28,8 +28,10 @@ from .training import (
 )
 from .utils.dataclasses import (
     DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
     DistributedType,
     GradientAccumulationPlugin,
+    GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
     ProjectConfiguration,
@@ -37,7 +39,7 @@ from .utils.dataclasses import (
 
 
 def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, KwargsHandler]:
-    known = (InitProcessGroupKwargs,)
+    known = (InitProcessGroupKwargs, DistributedDataParallelKwargs, GradScalerKwargs)
     found: dict[type, KwargsHandler] = {}
     for handler in handlers or ():
         kind = type(handler)
@@ -124,7 +126,13 @@ class Accelerator:
         self.dynamo_backend = dynamo_backend
         self._trigger = 0
         self.step = 0  # micro-batches since the last optimizer step (gradient accumulation)
-        self.scaler = make_grad_scaler(self.state.mixed_precision, self.device)
+        self.ddp_handler = handlers.get(DistributedDataParallelKwargs)
+        scaler_handler = handlers.get(GradScalerKwargs)
+        self.scaler = make_grad_scaler(
+            self.state.mixed_precision,
+            self.device,
+            scaler_handler.to_kwargs() if scaler_handler is not None else None,
+        )
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -337,7 +345,8 @@ class Accelerator:
         self._models.append(model)
         trainable = any(p.requires_grad for p in model.parameters())
         if self.num_processes > 1 and trainable and not evaluation_mode:
-            model = distributed.wrap_ddp(model, self.device)
+            options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
+            model = distributed.wrap_ddp(model, self.device, **options)
             self._models[-1] = model
         return model
 

@@ -20,11 +20,14 @@ def autocast_context(mixed_precision: str, device: torch.device) -> AbstractCont
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def make_grad_scaler(mixed_precision: str, device: torch.device) -> Any:
-    """A GradScaler for fp16 (gradients of fp16 activations underflow without it), else None."""
+def make_grad_scaler(
+    mixed_precision: str, device: torch.device, options: dict[str, Any] | None = None
+) -> Any:
+    """A GradScaler for fp16 (gradients of fp16 activations underflow without it), else None.
+    `options`: GradScalerKwargs(...).to_kwargs()."""
     if mixed_precision != "fp16":
         return None
-    return torch.amp.GradScaler(device.type)
+    return torch.amp.GradScaler(device.type, **(options or {}))
 
 
 def patch_forward(model: torch.nn.Module, mixed_precision: str, device: torch.device) -> None:

@@ -17,7 +17,7 @@ from mpaccel import Accelerator, AcceleratorState, CollectiveError
 from mpaccel.checkpoint import CheckpointReader, load_model_state
 from mpaccel.checkpoint.format import flatten, parse_size, unflatten
 from mpaccel.testing import reset_state
-from mpaccel.utils import ProjectConfiguration
+from mpaccel.utils import DistributedDataParallelKwargs, ProjectConfiguration
 
 
 class Progress:
@@ -78,22 +78,30 @@ def _params(acc, model):
     return torch.cat([p.detach().flatten() for p in acc.unwrap_model(model).parameters()])
 
 
-def test_resume_equals_uninterrupted_run(mpi_tmp_path, comm):
-    acc, model, opt, sched, loader, progress = _setup()
+@pytest.mark.parametrize("find_unused_parameters", [False, True])
+def test_resume_equals_uninterrupted_run(mpi_tmp_path, comm, find_unused_parameters):
+    ddp = [DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)]
+    acc, model, opt, sched, loader, progress = _setup(kwargs_handlers=ddp)
     _train(acc, model, opt, sched, loader, progress, epochs=3)
     expected_params, expected_history = _params(acc, model), list(progress.history)
 
     # Interrupted: stop mid-epoch, save, "restart" with other initial weights, load, go on.
-    acc, model, opt, sched, loader, progress = _setup()
+    acc, model, opt, sched, loader, progress = _setup(kwargs_handlers=ddp)
     assert _train(acc, model, opt, sched, loader, progress, epochs=3, stop_at=6,
                   save_to=mpi_tmp_path / "ckpt")
-    acc, model, opt, sched, loader, progress = _setup(seed_model=123)
+    acc, model, opt, sched, loader, progress = _setup(seed_model=123, kwargs_handlers=ddp)
     acc.load_state(mpi_tmp_path / "ckpt")
     assert progress.step == 6 and acc.step == 0
     # The same loop: set_epoch() replays the interrupted epoch's order, minus what was seen.
     _train(acc, model, opt, sched, loader, progress, epochs=3)
     assert progress.history == expected_history
-    assert torch.equal(_params(acc, model), expected_params)
+    params = _params(acc, model)
+    if comm.size <= 2 or find_unused_parameters:
+        assert torch.equal(params, expected_params)
+    else:
+        # DDP's first step after construction reduces gradients in its initial bucket layout,
+        # later steps in the rebuilt one; a sum of 3+ ranks then rounds differently, once.
+        torch.testing.assert_close(params, expected_params, rtol=0, atol=1e-6)
     assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0])
 
 

@@ -12,7 +12,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from mpaccel import Accelerator, AcceleratorState
 from mpaccel.errors import ConfigurationError
 from mpaccel.testing import reset_state
-from mpaccel.utils import GradientAccumulationPlugin
+from mpaccel.utils import (
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+)
 
 GLOBAL_BATCH = 16
 
@@ -243,6 +247,58 @@ def test_mixed_precision(comm, precision):
         assert not torch.equal(before, _params(acc.unwrap_model(model)))
     bare = acc.unwrap_model(model, keep_fp32_wrapper=False)
     assert not hasattr(bare, "_mpaccel_original_forward")
+
+
+class _Branchy(torch.nn.Module):
+    """A model whose forward skips a parameter on odd steps."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.common, self.sometimes = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_both):
+        return self.common(x) + (self.sometimes(x) if use_both else 0)
+
+
+def test_ddp_kwargs_reach_ddp_and_allow_unused_parameters(comm):
+    handler = DistributedDataParallelKwargs(
+        find_unused_parameters=True, bucket_cap_mb=1, gradient_as_bucket_view=True
+    )
+    assert handler.to_kwargs() == {
+        "find_unused_parameters": True, "bucket_cap_mb": 1, "gradient_as_bucket_view": True,
+    }
+    acc = _fresh(kwargs_handlers=[handler])
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    if acc.num_processes > 1:
+        assert model.find_unused_parameters and model.gradient_as_bucket_view
+        assert model.bucket_bytes_cap == 1024 * 1024
+    for step in range(4):  # without find_unused_parameters DDP raises on the second step
+        loss = model(torch.full((2, 8), float(acc.process_index)), use_both=step % 2 == 0)
+        acc.backward(loss.sum())
+        opt.step()
+        opt.zero_grad()
+    everyone = acc.gather(_params(acc.unwrap_model(model))[None])
+    assert all(torch.equal(everyone[0], other) for other in everyone)
+
+
+def test_grad_scaler_kwargs(comm):
+    acc = _fresh(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    assert acc.scaler.get_scale() == 1024.0
+    assert _fresh(mixed_precision="no", kwargs_handlers=[GradScalerKwargs()]).scaler is None
+
+
+def test_kwargs_handlers_are_checked():
+    with pytest.raises(AttributeError, match="find_unused_params"):
+        DistributedDataParallelKwargs().find_unused_params = True
+    with pytest.raises(ConfigurationError, match="bucket_cap_mb"):
+        DistributedDataParallelKwargs(bucket_cap_mb=0)
+    with pytest.raises(ConfigurationError, match="more than one"):
+        _fresh(kwargs_handlers=[GradScalerKwargs(), GradScalerKwargs()])
+    with pytest.raises(ConfigurationError, match="mpaccel understands"):
+        _fresh(kwargs_handlers=[GradientAccumulationPlugin()])
 
 
 def test_clip_grad_value_and_save(comm, mpi_tmp_path):

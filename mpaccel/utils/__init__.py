@@ -2,8 +2,10 @@
 
 from .dataclasses import (
     DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
     DistributedType,
     GradientAccumulationPlugin,
+    GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
     ProjectConfiguration,
@@ -19,7 +21,9 @@ from .operations import (
 
 __all__ = [
     "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
     "DistributedType",
+    "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",

@@ -95,6 +95,40 @@ class InitProcessGroupKwargs(KwargsHandler):
 
 
 @dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Arguments for the DistributedDataParallel wrapper `prepare()` puts around models on more
+    than one process (torch's own meanings). find_unused_parameters=True is needed by models
+    whose forward skips some parameters; it also keeps DDP from rebuilding its gradient
+    buckets after the first step, which makes a resumed run reduce gradients exactly as an
+    uninterrupted one (see the checkpoint docs)."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: float = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise ConfigurationError(
+                f"DistributedDataParallelKwargs(bucket_cap_mb={self.bucket_cap_mb!r}) must be > 0"
+            )
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Arguments for the torch.amp.GradScaler used with mixed_precision="fp16"."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
 class GradientAccumulationPlugin(KwargsHandler):
     """How gradient accumulation behaves (see Accelerator(gradient_accumulation_plugin=...)).
 
