@@ -105,10 +105,7 @@ def _version_of(module: str) -> str:
 def _device_of(env: _env.Snapshot, torch_facts: Facts, local_rank: int, local_size: int) -> str:
     cpu = _env.get_bool("use_cpu", False, env)
     cuda, count = bool(torch_facts.get("cuda_available")), int(torch_facts.get("device_count", 0))
-    try:
-        return select_device(cpu, cuda, count, local_rank, local_size)
-    except LaunchError:
-        return "none (fewer GPUs than local ranks)"
+    return select_device(cpu, cuda, count, local_rank, local_size)
 
 
 def _problem(exc: Exception) -> Facts:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from .errors import LaunchError
+
+_HINT = (
+    "start one process per GPU (`srun --ntasks-per-node=<GPUs>`, `mpiexec -n <GPUs>`), or give "
+    "each task a GPU of its own (`--gpus-per-task=1 --gpu-bind=single:1`), or pass cpu=True."
+)
 
 
 def select_device(
@@ -14,22 +22,43 @@ def select_device(
 ) -> str:
     """The device string for this process.
 
-    Each task seeing exactly one GPU (Slurm's --gpus-per-task / --gpu-bind=single:1, or a
-    CUDA_VISIBLE_DEVICES per rank) means `cuda:0`; otherwise the local rank picks among the
-    visible GPUs, which must be at least as many as the ranks on the node.
+    When a task sees at least as many GPUs as there are processes on its node (every rank sees
+    the node's GPUs, as under mpirun), the local rank picks its own; when it sees fewer (Slurm's
+    --gpus-per-task / --gpu-bind, or a CUDA_VISIBLE_DEVICES per rank), its GPUs are taken to be
+    its own and it uses the first. `check_gpus_not_shared` then verifies that, collectively.
     """
     if cpu or not cuda_available or device_count == 0:
         return "cpu"
-    if device_count == 1:
-        return "cuda:0"
-    if local_process_index < device_count and local_num_processes <= device_count:
+    if local_num_processes <= device_count:
         return f"cuda:{local_process_index}"
-    raise LaunchError(
-        f"{local_num_processes} processes on this node but only {device_count} visible GPU(s): "
-        f"local process {local_process_index} has no GPU of its own",
-        "start one process per GPU (`srun --ntasks-per-node=<GPUs>`, `mpiexec -n <GPUs>`), or "
-        "give each task one GPU (`--gpus-per-task=1 --gpu-bind=single:1`), or pass cpu=True.",
+    return "cuda:0"
+
+
+def shared_gpus(rows: Sequence[tuple[str, str | None]]) -> dict[tuple[str, str], list[int]]:
+    """Given (hostname, GPU UUID) per rank, the GPUs that more than one rank uses."""
+    users: dict[tuple[str, str], list[int]] = {}
+    for rank, (host, uuid) in enumerate(rows):
+        if uuid is not None:
+            users.setdefault((host, uuid), []).append(rank)
+    return {gpu: ranks for gpu, ranks in users.items() if len(ranks) > 1}
+
+
+def sharing_error(shared: dict[tuple[str, str], list[int]]) -> LaunchError:
+    (host, uuid), ranks = next(iter(shared.items()))
+    return LaunchError(
+        f"ranks {ranks} on {host!r} all use the same GPU ({uuid}); NCCL cannot run two ranks "
+        f"on one GPU" + (f" ({len(shared)} GPUs are shared in all)" if len(shared) > 1 else ""),
+        _HINT,
     )
+
+
+def gpu_uuid(device: Any) -> str | None:
+    """The physical identity of a CUDA device (None where torch cannot tell)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    return str(uuid) if uuid is not None else None
 
 
 def current_device(cpu: bool, local_process_index: int, local_num_processes: int):
@@ -42,3 +71,13 @@ def current_device(cpu: bool, local_process_index: int, local_num_processes: int
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def check_gpus_not_shared(comm: Any, hostname: str, device: Any) -> None:
+    """Collective: raise the same LaunchError on every rank when two ranks of a node would
+    drive one physical GPU (e.g. four unbound tasks on a node where each sees one GPU)."""
+    uuid = gpu_uuid(device) if device.type == "cuda" else None
+    rows = comm.allgather((hostname, uuid), what="checking that no two ranks share a GPU")
+    shared = shared_gpus(rows)
+    if shared:
+        raise sharing_error(shared)

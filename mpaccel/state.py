@@ -20,7 +20,7 @@ import torch
 
 from . import _env, distributed
 from .comm import Comm
-from .device import current_device
+from .device import check_gpus_not_shared, current_device
 from .discovery import Discovery, discover, emit_warnings
 from .environments import ProcessInfo
 from .errors import ConfigurationError
@@ -111,6 +111,17 @@ class PartialState:
     """
 
     _shared_state: dict[str, Any] = {}
+    # Set together, at the end of the first __init__ (annotations only: no class attributes).
+    _cpu: bool
+    _discovery: Discovery
+    process_info: ProcessInfo
+    comm: Comm
+    default_timeout: float
+    device: torch.device
+    debug: bool
+    fork_launched: bool
+    distributed_type: DistributedType
+    backend: str | None
 
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         self.__dict__ = self._shared_state
@@ -131,23 +142,32 @@ class PartialState:
         found = _discover(default_timeout)
         found.comm.default_timeout = default_timeout  # type: ignore[attr-defined]
         info = found.info
-        self._cpu = cpu
-        self._discovery = found
-        self.process_info = info
-        self.comm = found.comm
-        self.default_timeout = default_timeout
-        self.device = current_device(cpu, info.local_process_index, info.local_num_processes)
-        self.debug = _env.get_bool("debug", False)
-        self.fork_launched = False
+        # Everything is computed before anything is shared: a failure here (a launch error,
+        # a GPU shared by two ranks) leaves the state uninitialised, not half-built.
+        device = current_device(cpu, info.local_process_index, info.local_num_processes)
+        if info.num_processes > 1:
+            check_gpus_not_shared(found.comm, info.hostname, device)
         if info.num_processes == 1:
-            self.distributed_type = DistributedType.NO
-        elif self.device.type == "cuda":
-            self.distributed_type = DistributedType.MULTI_GPU
+            distributed_type = DistributedType.NO
+        elif device.type == "cuda":
+            distributed_type = DistributedType.MULTI_GPU
         else:
-            self.distributed_type = DistributedType.MULTI_CPU
+            distributed_type = DistributedType.MULTI_CPU
         _limit_threads(info)
-        self.backend = distributed.init_process_group(
-            self.comm, info, self.device, pg.backend, pg.init_method, timeout
+        backend = distributed.init_process_group(
+            found.comm, info, device, pg.backend, pg.init_method, timeout
+        )
+        self.__dict__.update(
+            _cpu=cpu,
+            _discovery=found,
+            process_info=info,
+            comm=found.comm,
+            default_timeout=default_timeout,
+            device=device,
+            debug=_env.get_bool("debug", False),
+            fork_launched=False,
+            distributed_type=distributed_type,
+            backend=backend,
         )
         # After init_process_group: torch wraps sys.excepthook there and buffers its output.
         _install_abort_hook(info, self.comm)

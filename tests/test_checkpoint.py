@@ -278,6 +278,30 @@ def test_automatic_naming_rotation_and_latest(mpi_tmp_path, comm):
     assert acc.save_iteration == 4
 
 
+def test_a_new_run_never_saves_over_or_below_existing_checkpoints(mpi_tmp_path, comm):
+    def config(**kwargs):
+        return ProjectConfiguration(project_dir=str(mpi_tmp_path),
+                                    automatic_checkpoint_naming=True, total_limit=2, **kwargs)
+
+    acc, model, *_ = _setup(project_config=config())
+    for _ in range(3):
+        acc.save_state()  # checkpoint_0..2; rotation keeps 1 and 2
+    # A restarted script that forgot load_state() would save checkpoint_0 (and rotation, oldest
+    # number first, would delete it at once): refused on every rank, before anything is written.
+    acc, model, *_ = _setup(project_config=config())
+    with pytest.raises(CollectiveError, match="already holds checkpoint_2") as info:
+        acc.save_state()
+    assert "load_state()" in str(info.value) and "iteration=3" in str(info.value)
+    acc.wait_for_everyone()
+    assert sorted(os.listdir(mpi_tmp_path / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
+    acc.load_state()  # resuming continues the numbering
+    acc.save_state()
+    acc, model, *_ = _setup(project_config=config(iteration=4))  # or continuing by hand
+    acc.save_state()
+    acc.wait_for_everyone()
+    assert sorted(os.listdir(mpi_tmp_path / "checkpoints")) == ["checkpoint_3", "checkpoint_4"]
+
+
 def test_async_save_snapshots_and_commits(mpi_tmp_path, comm):
     acc, model, opt, sched, loader, progress = _setup()
     before = _params(acc, model).clone()

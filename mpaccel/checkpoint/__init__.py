@@ -100,6 +100,17 @@ def _resolve_output(accelerator: Any, output_dir: str | None) -> str:
             raise CheckpointError(
                 "automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)"
             )
+        newest = latest_checkpoint(config.project_dir)
+        if newest is not None and newest[0] >= config.iteration:
+            # Writing below the newest would overwrite a checkpoint, or be the first one that
+            # rotation (oldest number first) deletes.
+            raise CheckpointError(
+                f"{config.project_dir!r} already holds checkpoint_{newest[0]}; this run would "
+                f"save checkpoint_{config.iteration}",
+                "call accelerator.load_state() first to resume (it continues the numbering), "
+                f"set ProjectConfiguration(iteration={newest[0] + 1}) to continue without "
+                "resuming, or use another project_dir.",
+            )
         return os.path.join(config.project_dir, "checkpoints", f"checkpoint_{config.iteration}")
     if output_dir is None:
         raise CheckpointError(
