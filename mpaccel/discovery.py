@@ -6,8 +6,10 @@ same LaunchError everywhere, with no extra collective and no hang.
 
 from __future__ import annotations
 
+import os
 import socket
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,23 @@ def check_world_size(launcher: Launcher, size: int, mpi_library: str) -> None:
     )
 
 
+def _cores() -> frozenset[int]:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
+def node_oversubscribed(keys: Sequence[Any], cores: Sequence[frozenset[int]], rank: int) -> bool:
+    """Whether `rank`'s node runs more of the job's processes than the CPUs they may use
+    together (the union of their affinities: ranks bound one per core are not oversubscribed)."""
+    mine = [r for r, key in enumerate(keys) if key == keys[rank]]
+    usable: set[int] = set()
+    for r in mine:
+        usable |= cores[r]
+    return len(mine) > len(usable)
+
+
 def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) -> Discovery:
     """Collective over COMM_WORLD: every process of the job must call this, once."""
     env = _env.snapshot() if env is None else env
@@ -103,11 +122,13 @@ def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) 
         local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
         key = ("shm", local.allreduce(world.Get_rank(), op=MPI.MIN))
         local.Free()
-    gathered = mpi_comm.allgather((key, host, slurm), what="process discovery")
+    gathered = mpi_comm.allgather((key, host, slurm, _cores()), what="process discovery")
     keys = [g[0] for g in gathered]
     hosts = tuple(g[1] for g in gathered)
     mpi_comm.hosts = hosts
     rank = mpi_comm.rank
+    if node_oversubscribed(keys, [g[3] for g in gathered], rank):
+        mpi_comm.spin_seconds = 0.0  # a spinning rank would hold a core a peer needs to arrive
     info = layout_from_node_keys(keys, rank, host)
     if not skip and isinstance(launcher, SrunLauncher):
         infos = [layout_from_node_keys(keys, r, hosts[r]) for r in range(len(keys))]

@@ -256,3 +256,22 @@ def test_mpiexec_using_part_of_allocation_warns():
     )
     notes = allocation_warnings(SlurmFacts.from_env(env), detect_launcher(env), 4)
     assert "only 4 process(es)" in notes[0]
+
+
+@pytest.mark.parametrize(
+    "keys, cores, expected",
+    [
+        # 4 ranks on one 2-core node, each allowed on both cores: oversubscribed
+        (["a"] * 4, [frozenset({0, 1})] * 4, [True] * 4),
+        # 4 ranks bound one per core of a 4-core node: each sees 1 core, but together 4
+        (["a"] * 4, [frozenset({i}) for i in range(4)], [False] * 4),
+        # 2 nodes: node a has 3 ranks on 2 cores, node b 1 rank on 2 cores
+        (["a", "a", "a", "b"], [frozenset({0, 1})] * 4, [True, True, True, False]),
+        # 2 ranks bound to the same core
+        (["a", "a"], [frozenset({0}), frozenset({0})], [True, True]),
+    ],
+)
+def test_node_oversubscribed(keys, cores, expected):
+    from mpaccel.discovery import node_oversubscribed
+
+    assert [node_oversubscribed(keys, cores, r) for r in range(len(keys))] == expected
