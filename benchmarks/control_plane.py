@@ -47,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure a triggered check_trigger on every Nth iteration (default 5)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument(
+        "--mpi-only",
+        action="store_true",
+        help="only mpaccel's and raw MPI's ops: gloo and Accelerate ops slow down whatever "
+        "runs after them, so this isolates mpaccel vs raw MPI",
+    )
     return p.parse_args(argv)
 
 
@@ -110,6 +116,9 @@ def build_ops(args: argparse.Namespace) -> tuple[list[Op], list[str]]:
         Op("MPI Barrier", lambda it: world.Barrier()),
         Op("MPI allreduce(int, MAX)", lambda it: world.allreduce(it, op=MPI.MAX)),
     ]
+    if args.mpi_only:
+        notes.append("--mpi-only: no gloo, no Accelerate ops in this run")
+        return ops, notes
     if dist.is_initialized():
         # mpaccel's PartialState set this group up (gloo over a TCPStore brokered by MPI).
         flag = torch.zeros(1, dtype=torch.int64)
@@ -127,18 +136,19 @@ def build_ops(args: argparse.Namespace) -> tuple[list[Op], list[str]]:
 
 
 def measure(ops: list[Op], iters: int, warmup: int) -> tuple[np.ndarray, int]:
-    """Collective. Interleaved rounds: every iteration runs each op once, in an order rotated
-    by the iteration number (the same on every rank), each behind a raw MPI Barrier that aligns
-    the ranks. Returns this rank's durations in ns, shape (ops, iters), and the count of
-    results that differed from `Op.expect`."""
+    """Collective. Interleaved rounds: every iteration runs each op once, in a random order
+    drawn from the iteration number (so the same on every rank), each behind a raw MPI Barrier
+    that aligns the ranks. A random order, not a rotation, because an op slows down whatever
+    follows it (gloo's threads stay busy for a while): under a rotation every op would always
+    follow the same neighbour. Returns this rank's durations in ns, shape (ops, iters), and
+    the count of results that differed from `Op.expect`."""
     world = MPI.COMM_WORLD
     samples = np.full((len(ops), iters), MISSING, dtype=np.int64)
     wrong = 0
     clock = time.perf_counter_ns
     n = len(ops)
     for it in range(warmup + iters):
-        for j in range(n):
-            k = (it + j) % n
+        for k in np.random.default_rng(it).permutation(n):
             op = ops[k]
             if it % op.every:
                 continue

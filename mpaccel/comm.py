@@ -17,7 +17,7 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,7 +40,7 @@ _TAG_ALERT = 7303
 # than cores) gets it, while this one keeps driving MPI progress for the collective's rounds.
 # Sleep: growing sleeps free the CPU entirely for long waits (rank 0 writing a checkpoint).
 # Python runs signal handlers between polls in every phase.
-_SPIN_SECONDS = 1e-4
+_SPIN_SECONDS = 1e-3  # where the node has a core per rank; 0 where it has fewer (discovery)
 _YIELD_SECONDS = 0.05
 _MAX_SLEEP = 1e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
 
@@ -205,6 +205,28 @@ class MPIComm:
         self._ops = {"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}
         self._send = np.zeros(1, dtype=np.int64)
         self._recv = np.zeros(1, dtype=np.int64)
+        self._persistent: dict[str, Any] = {}
+        self._set_up_persistent()
+
+    def _set_up_persistent(self) -> None:
+        """Collective, like Dup: MPI-4 persistent barrier and int all-reduces on `_comm`. Their
+        schedule is built once; a barrier then costs ~4 us instead of ~7 for Ibarrier, an
+        all-reduce ~5 instead of ~18 (MPICH, 2 ranks). Without MPI-4 the Ixxx calls are used."""
+        self._persistent = {}
+        try:
+            requests = {"barrier": self._comm.Barrier_init()}
+            for name, op in self._ops.items():
+                requests[name] = self._comm.Allreduce_init(self._send, self._recv, op)
+        except (NotImplementedError, self._MPI.Exception):
+            return  # same library on every rank, so every rank takes this path
+        self._persistent = requests
+
+    def _start(self, kind: str, fallback: Callable[[], Any]) -> Any:
+        request = self._persistent.get(kind)
+        if request is None:
+            return fallback()
+        request.Start()
+        return request
 
     @property
     def mpi_comm(self) -> Any:
@@ -272,6 +294,7 @@ class MPIComm:
         a pending collective request cannot be cancelled."""
         self._comm = self._parent.Dup()
         self._diag = self._parent.Dup()
+        self._set_up_persistent()
         self._broken = None
         self._current = None
 
@@ -326,7 +349,7 @@ class MPIComm:
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
         self._begin(what)
-        self._wait(self._comm.Ibarrier(), what, timeout)
+        self._wait(self._start("barrier", self._comm.Ibarrier), what, timeout)
 
     def allreduce(
         self, value: int, op: str = "max", what: str = "allreduce", timeout: float | None = None
@@ -335,7 +358,10 @@ class MPIComm:
             raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(self._ops)}")
         self._begin(what)
         self._send[0] = value
-        self._wait(self._comm.Iallreduce(self._send, self._recv, self._ops[op]), what, timeout)
+        request = self._start(
+            op, lambda: self._comm.Iallreduce(self._send, self._recv, self._ops[op])
+        )
+        self._wait(request, what, timeout)
         return int(self._recv[0])
 
     def allgather(self, obj: Any, what: str = "allgather", timeout: float | None = None) -> list:
@@ -381,4 +407,7 @@ class MPIComm:
 
     def finalize(self) -> None:
         if not self._MPI.Is_finalized():
+            for request in self._persistent.values():
+                request.Free()
+            self._persistent = {}
             self._MPI.Finalize()
