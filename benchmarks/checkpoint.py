@@ -141,13 +141,14 @@ def instrument(acc: Any) -> Phases:
     import h5py
     import torch
 
-    from mpaccel.checkpoint import storage, training_state
+    from mpaccel.checkpoint import sink, storage, training_state
 
     phases = Phases()
     phases.wrap(training_state, "collect", "collect state_dicts")
     phases.wrap(storage, "to_numpy", "to_numpy")
     phases.wrap(storage, "checksum", "xxh3 checksum")
-    phases.wrap(storage, "_fsync_path", "fsync")
+    phases.wrap(sink.ErrorKeepingFile, "finish", "fsync (shards)")
+    phases.wrap(storage, "_fsync_path", "fsync (directory)")
     phases.wrap(storage, "commit_index", "commit index (rank 0)")
     phases.wrap(h5py.File, "__init__", "h5py open")
     phases.wrap(h5py.File, "close", "h5py close (flush)")

@@ -42,6 +42,7 @@ _TAG_ALERT = 7303
 # Python runs signal handlers between polls in every phase.
 _SPIN_SECONDS = 1e-3  # where the node has a core per rank; 0 where it has fewer (discovery)
 _YIELD_SECONDS = 0.05
+_YIELD_SECONDS_OVERSUBSCRIBED = 2e-4  # see MPIComm.oversubscribed()
 _MAX_SLEEP = 1e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
 
 _OPS = {"max", "min", "sum"}
@@ -195,10 +196,8 @@ class MPIComm:
         self.hosts: Sequence[str] = ()
         self.default_timeout = default_timeout
         self.interruptible = interruptible
-        # Discovery sets 0 where ranks outnumber the cores of their node: there the spin only
-        # keeps a peer that has yet to arrive off the CPU (x15 barrier latency at 4 ranks on 2
-        # cores).
         self.spin_seconds = _SPIN_SECONDS
+        self.yield_seconds = _YIELD_SECONDS
         self._seq = 0
         self._current: tuple[str, int] | None = None
         self._broken: str | None = None
@@ -207,6 +206,15 @@ class MPIComm:
         self._recv = np.zeros(1, dtype=np.int64)
         self._persistent: dict[str, Any] = {}
         self._set_up_persistent()
+
+    def oversubscribed(self) -> None:
+        """Not collective. This node runs more ranks than they have cores (discovery says so):
+        a rank that spins, or yields for long, while it waits keeps the ranks that have yet to
+        arrive off the CPU. Measured at 4 ranks on 2 cores: a 100 us spin made the barrier
+        15x slower, a 50 ms yield made a per-step check_trigger cost 17 ms of a 21 ms step;
+        no spin and 200 us of yielding: barrier 1.5x raw MPI, check_trigger ~1 ms."""
+        self.spin_seconds = 0.0
+        self.yield_seconds = _YIELD_SECONDS_OVERSUBSCRIBED
 
     def _set_up_persistent(self) -> None:
         """Collective, like Dup: MPI-4 persistent barrier and int all-reduces on `_comm`. Their
@@ -217,8 +225,10 @@ class MPIComm:
             requests = {"barrier": self._comm.Barrier_init()}
             for name, op in self._ops.items():
                 requests[name] = self._comm.Allreduce_init(self._send, self._recv, op)
-        except (NotImplementedError, self._MPI.Exception):
-            return  # same library on every rank, so every rank takes this path
+        except (AttributeError, NotImplementedError, self._MPI.Exception):
+            # mpi4py 3 has no *_init, an MPI-3 library raises: the same on every rank, so
+            # every rank takes this path and uses the Ixxx calls.
+            return
         self._persistent = requests
 
     def _start(self, kind: str, fallback: Callable[[], Any]) -> Any:
@@ -257,7 +267,7 @@ class MPIComm:
                 self._current = None
                 return
         deadline = start + limit
-        yield_until = start + _YIELD_SECONDS
+        yield_until = start + self.yield_seconds
         pause = 2e-5
         while not test():
             self._answer_queries()

@@ -128,7 +128,7 @@ def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) 
     mpi_comm.hosts = hosts
     rank = mpi_comm.rank
     if node_oversubscribed(keys, [g[3] for g in gathered], rank):
-        mpi_comm.spin_seconds = 0.0  # a spinning rank would hold a core a peer needs to arrive
+        mpi_comm.oversubscribed()
     info = layout_from_node_keys(keys, rank, host)
     if not skip and isinstance(launcher, SrunLauncher):
         infos = [layout_from_node_keys(keys, r, hosts[r]) for r in range(len(keys))]

@@ -55,7 +55,7 @@ def _mismatch(what: str, metas: list, leaf: int, rule: str) -> ConfigurationErro
     )
 
 
-def _check(what: str, metas: list, same_first_dim: bool) -> None:
+def _check(what: str, metas: list, same_first_dim: bool, same_ndim_only: bool = False) -> None:
     counts = {len(m) for m in metas}
     if len(counts) != 1:
         raise ConfigurationError(
@@ -69,6 +69,10 @@ def _check(what: str, metas: list, same_first_dim: bool) -> None:
             shape, dtype = m[leaf]
             if dtype != dtype0:
                 raise _mismatch(what, metas, leaf, "dtypes must match")
+            if same_ndim_only:
+                if len(shape) != len(shape0):
+                    raise _mismatch(what, metas, leaf, "the number of dimensions must match")
+                continue
             if same_first_dim and shape != shape0:
                 raise _mismatch(what, metas, leaf, "shapes must match")
             if not same_first_dim and (len(shape) != len(shape0) or shape[1:] != shape0[1:]):
@@ -152,9 +156,9 @@ def pad_across_processes(
 ) -> Any:
     """Pad each tensor along `dim` to the largest size any rank has, with `pad_index`."""
     metas = _metadata(comm, data, "pad_across_processes")
-    counts = {len(m) for m in metas}
-    if len(counts) != 1:
-        _check("pad_across_processes", metas, same_first_dim=False)
+    # Each rank pads only `dim`, so other dimensions may differ; the structure, the number of
+    # dimensions and the dtypes may not (else ranks would fail, or not, one by one).
+    _check("pad_across_processes", metas, same_first_dim=False, same_ndim_only=True)
     counter = iter(range(len(metas[0])))
 
     def one(tensor: torch.Tensor) -> torch.Tensor:

@@ -274,8 +274,18 @@ def test_agree_names_every_failing_rank(state, comm):
     assert "[rank" in info.value.tracebacks()
 
 
-def test_comm_collectives(state, comm):
+@pytest.mark.parametrize("persistent", [True, False])
+def test_comm_collectives(state, comm, monkeypatch, persistent):
     c = state.comm
+    if comm.size > 1:
+        from mpi4py import MPI
+
+        if "MPICH" in MPI.Get_library_version():  # MPICH 4+ has persistent collectives
+            assert set(c._persistent) == {"barrier", "max", "min", "sum"}
+        if not persistent:  # an MPI-3 library: Ibarrier/Iallreduce
+            monkeypatch.setattr(c, "_persistent", {})
+    for _ in range(3):  # persistent requests are restarted, not rebuilt
+        c.barrier()
     assert c.allreduce(comm.rank, "max") == comm.size - 1
     assert c.allreduce(comm.rank, "min") == 0
     assert c.allreduce(1, "sum") == comm.size

@@ -1,5 +1,6 @@
 """The Slurm templates and mpaccel's Slurm support on a real Slurm: a private two-node cluster
-brought up by slurm/cluster.sh (root and apt-get needed; skipped elsewhere, never in CI)."""
+brought up by slurm/cluster.sh (root and apt-get needed: elsewhere skipped with the reason, and
+under CI, where they must run, a failure)."""
 
 from __future__ import annotations
 

@@ -223,6 +223,19 @@ def test_shape_mismatch_is_a_clear_error_everywhere(comm):
     acc.wait_for_everyone()  # still in step
 
 
+def test_pad_across_processes_checks_dimensions_on_every_rank(comm):
+    acc = _fresh()
+    rank = acc.process_index
+    # other dimensions may differ: each rank pads only `dim`
+    padded = acc.pad_across_processes(torch.ones(rank + 1, 2 + rank), dim=0)
+    assert padded.shape == (acc.num_processes, 2 + rank)
+    bad = torch.ones(2, 2) if rank == acc.num_processes - 1 else torch.ones(2)
+    if acc.num_processes == 1:
+        return
+    with pytest.raises(ConfigurationError, match="number of dimensions must match"):
+        acc.pad_across_processes(bad)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision(comm, precision):
     acc = _fresh(mixed_precision=precision)

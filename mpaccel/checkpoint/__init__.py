@@ -149,6 +149,8 @@ class AsyncSaver:
                 from ..comm import MPIComm
 
                 self._comm = MPIComm(comm.mpi_comm, comm.default_timeout, interruptible=False)
+                # it waits beside the training thread: sleep at once, never spin or yield
+                self._comm.spin_seconds = self._comm.yield_seconds = 0.0
                 self._comm.hosts = comm.hosts
         return self._comm
 
