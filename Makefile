@@ -8,10 +8,10 @@ EXAMPLE   ?= examples/train.py
 
 .PHONY: setup example test lint clean
 
-$(VENV)/.installed: setup.cfg pyproject.toml requirements/constraints.txt
+$(VENV)/.installed: setup.cfg pyproject.toml scripts/constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt torch
-	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -e '.[mpich,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt torch
+	$(PY) -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt -e '.[mpich,dev]'
 	touch $@
 
 setup: $(VENV)/.installed

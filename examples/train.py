@@ -190,15 +190,19 @@ def main() -> None:
 
         model.eval()
         correct = total = 0
-        val_loss = torch.zeros(())
+        loss_sum = 0.0
         with torch.no_grad():
             for x, y in val:
                 logits = model(x)
-                preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), y))
+                losses = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+                # per sample, so that the duplicates even_batches added are dropped here too
+                preds, labels, losses = accelerator.gather_for_metrics(
+                    (logits.argmax(-1), y, losses)
+                )
                 correct += (preds == labels).sum().item()
                 total += labels.numel()
-                val_loss += torch.nn.functional.cross_entropy(logits, y, reduction="sum")
-        val_loss = accelerator.reduce(val_loss, "sum").item() / args.val_samples
+                loss_sum += losses.sum().item()
+        val_loss = loss_sum / total
         accuracy = correct / total
         logger.info(
             "epoch %d val_loss %.4f accuracy %.4f (%d samples)", epoch, val_loss, accuracy, total

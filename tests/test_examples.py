@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
+from mpaccel import _env
 from mpaccel.testing import run_mpi
 
 pytestmark = pytest.mark.mpi(size=1)
@@ -27,6 +30,17 @@ def test_train_example(n):
     assert float(epochs[-1][0]) < float(epochs[0][0])  # it learns
     assert f"{n} process(es)" in out and "done in" in out
     assert all(other.strip() == "" for other in run.stdout[1:]), run.describe()
+
+
+def test_train_example_as_plain_python(tmp_path):
+    # no launcher at all: `python examples/train.py`, a world of one
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train.py"), "--epochs", "1", "--train-samples", "1000"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=_env.child_environment(),
+    )
+    assert run.returncode == 0, run.stderr
+    assert "1 process(es)" in run.stdout and "(1001 validation samples)" in run.stdout
 
 
 def test_train_example_stops_early():

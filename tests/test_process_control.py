@@ -377,14 +377,22 @@ def test_split_between_processes_sequences(state, comm, inputs, shares):
 
 
 def test_split_padding_repeats_last_input(state, comm):
-    n = comm.size
+    n, r = comm.size, comm.rank
+    per = -(-3 // n)
+
+    def expected(items):  # this rank's share, then the input's last element up to `per`
+        start, end = share_bounds(len(items), r, n)
+        return list(items[start:end]) + [items[-1]] * (per - (end - start))
+
     with state.split_between_processes(["A", "B", "C"], apply_padding=True) as mine:
-        assert len(mine) == -(-3 // n)
-        gathered = [x for share in comm.allgather(mine) for x in share]
-    assert gathered[:3] == ["A", "B", "C"] or n == 4
-    assert set(gathered) == {"A", "B", "C"} and all(x == "C" for x in gathered[3:] if n != 4)
+        assert mine == expected(["A", "B", "C"])
     with state.split_between_processes(("A", "B", "C"), apply_padding=True) as mine:
-        assert isinstance(mine, tuple) and len(mine) == -(-3 // n)
+        assert isinstance(mine, tuple) and list(mine) == expected(("A", "B", "C"))
+    with state.split_between_processes(np.array([1, 2, 3]), apply_padding=True) as mine:
+        assert mine.tolist() == expected([1, 2, 3])
+    with state.split_between_processes({"k": [1, 2, 3], "v": ("x", "y", "z")},
+                                       apply_padding=True) as mine:
+        assert mine["k"] == expected([1, 2, 3]) and list(mine["v"]) == expected(("x", "y", "z"))
 
 
 def test_split_tensors_arrays_and_dicts(state, comm):

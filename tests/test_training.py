@@ -185,6 +185,35 @@ def test_shuffle_same_on_every_rank_and_new_each_epoch(comm):
     assert again != epochs[1]
 
 
+@pytest.mark.parametrize("kind", ["subset", "weighted"])
+def test_other_random_samplers_draw_the_same_on_every_rank(comm, kind):
+    from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
+
+    torch.manual_seed(99 + comm.rank)  # each rank's own RNG differs: it must not matter
+    acc = _fresh()
+    dataset = TensorDataset(torch.arange(40))
+    if kind == "subset":
+        sampler = SubsetRandomSampler(list(range(0, 40, 2)))  # 20 even indices
+    else:
+        # without replacement: one draw of 20 distinct indices, dealt out to the ranks
+        sampler = WeightedRandomSampler(torch.ones(40), num_samples=20, replacement=False)
+    loader = acc.prepare(DataLoader(dataset, batch_size=2, sampler=sampler))
+    epochs, orders = [], []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        mine = [v for (x,) in loader for v in x.tolist()]
+        orders.append(mine)
+        epochs.append(sorted(v for part in comm.allgather(mine) for v in part))
+    for union in epochs:
+        # ranks drawing on their own would together see other (and more) indices
+        assert len(set(union)) == 20
+        if kind == "subset":
+            assert set(union) == set(range(0, 40, 2))
+        if 20 % (2 * comm.size) == 0:  # no even_batches padding: each index exactly once
+            assert len(union) == 20
+    assert orders[0] != orders[1]  # a new draw each epoch
+
+
 def test_ops(comm):
     acc = _fresh()
     n, r = acc.num_processes, acc.process_index
@@ -312,6 +341,24 @@ def test_kwargs_handlers_are_checked():
         _fresh(kwargs_handlers=[GradScalerKwargs(), GradScalerKwargs()])
     with pytest.raises(ConfigurationError, match="mpaccel understands"):
         _fresh(kwargs_handlers=[GradientAccumulationPlugin()])
+
+
+def test_fp16_clipping_sees_unscaled_gradients(comm):
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(5))
+    reference = _model()
+    reference(x).pow(2).mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    acc = _fresh(mixed_precision="fp16")
+    assert acc.scaler.get_scale() > 1000  # the loss is scaled up before backward
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(x).pow(2).mean())  # the same batch on every rank: the mean is the same
+    norm = acc.clip_grad_norm_(model.parameters(), 1e-3)
+    # unscaled before measuring (fp16 autocast rounds a little); then clipped to the max norm
+    torch.testing.assert_close(norm, expected, rtol=2e-2, atol=0)
+    clipped = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert clipped <= 1e-3 * 1.01
 
 
 def test_clip_grad_value_and_save(comm, mpi_tmp_path):

@@ -153,7 +153,10 @@ def write_checkpoint(
     error = None
     if comm.rank == 0:
         try:
-            os.makedirs(directory, exist_ok=True)
+            if not os.path.isdir(directory):
+                os.makedirs(directory)
+                # the new directory's entry must survive a power loss along with its contents
+                _fsync_path(os.path.dirname(os.path.abspath(directory)))
         except Exception as exc:
             error = CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
     comm.agree(error, what + " (creating the directory)")
@@ -229,7 +232,11 @@ def commit_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
     os.replace(temp, final)
     _fsync_path(directory)
     keep = set(index["shards"]) | {p["file"] for p in index["per_rank"]}
-    pattern = re.compile(rf"^{re.escape(stem)}-[0-9a-f]{{12}}-.*\.h5(\.partial)?$")
+    # shards and per-rank files of earlier or interrupted saves, and index temp files of
+    # saves that died between writing and renaming them
+    pattern = re.compile(
+        rf"^{re.escape(stem)}(-[0-9a-f]{{12}}-.*\.h5(\.partial)?|\.index\.json\.tmp-[0-9a-f]{{12}})$"
+    )
     for name in os.listdir(directory):
         if pattern.match(name) and name not in keep:
             os.remove(os.path.join(directory, name))

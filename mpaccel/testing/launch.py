@@ -20,7 +20,8 @@ from .. import _env
 
 @dataclass(frozen=True)
 class MPIRun:
-    """What one `run_mpi` produced. `stdout[r]` / `stderr[r]` are rank r's."""
+    """What one `run_mpi` produced. `stdout[r]` / `stderr[r]` are rank r's; `returncodes[r]`
+    the exit code rank r ended with (None if it never got to exit: killed, or aborted)."""
 
     command: tuple[str, ...]
     returncode: int
@@ -30,11 +31,13 @@ class MPIRun:
     timed_out: bool
     elapsed: float
     extra: Mapping[str, str] = field(default_factory=dict)
+    returncodes: tuple[int | None, ...] = ()
 
     def describe(self) -> str:
         parts = [
             f"$ {' '.join(self.command)}",
-            f"returncode={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s",
+            f"returncode={self.returncode} per rank={list(self.returncodes)} "
+            f"timed_out={self.timed_out} elapsed={self.elapsed:.1f}s",
         ]
         for r, (out, err) in enumerate(zip(self.stdout, self.stderr)):
             parts.append(f"----- rank {r} stdout -----\n{out}----- rank {r} stderr -----\n{err}")
@@ -132,6 +135,10 @@ def run_mpi(
         path = Path(outdir) / f"rank-{rank}.{suffix}"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def code(rank: int) -> int | None:
+        text = read(rank, "rc").strip()
+        return int(text) if text else None
+
     result = MPIRun(
         command=tuple(command),
         returncode=proc.returncode,
@@ -140,6 +147,7 @@ def run_mpi(
         launcher_output=launcher_output or "",
         timed_out=timed_out,
         elapsed=elapsed,
+        returncodes=tuple(code(r) for r in range(n)),
     )
     shutil.rmtree(outdir, ignore_errors=True)
     return result

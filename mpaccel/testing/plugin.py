@@ -296,6 +296,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         mpi.watchdog.disarm()
 
 
+# What a rank does after a phase's outcome exchange: a watchdog report then says "test body"
+# for a rank stuck in the test itself, "... outcome exchange" for one waiting for the others.
+_NEXT_PHASE = {"setup": "test body", "call": "teardown", "teardown": "after teardown"}
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo
@@ -308,7 +313,7 @@ def pytest_runtest_makereport(
         mpi.watchdog.phase(f"{call.when} outcome exchange")
         secondary = call.excinfo is not None and call.excinfo.errisinstance(PeerFailedError)
         mpi.exchange(report, secondary)
-        mpi.watchdog.phase("between phases")
+        mpi.watchdog.phase(_NEXT_PHASE[call.when])
     return report
 
 

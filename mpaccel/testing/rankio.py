@@ -1,5 +1,6 @@
 """`python -m mpaccel.testing.rankio DIR (script.py | -m module) [args]`: run a script or module
-with this rank's stdout and stderr in DIR/rank-R.out and DIR/rank-R.err (used by run_mpi)."""
+with this rank's stdout and stderr in DIR/rank-R.out and DIR/rank-R.err, and the exit code it
+ended with in DIR/rank-R.rc (none when it died of a signal or an abort). Used by run_mpi."""
 
 from __future__ import annotations
 
@@ -26,13 +27,25 @@ def main(argv: list[str]) -> None:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-    if target[0] == "-m":
-        sys.argv = [target[1], *target[2:]]
-        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(target)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
-        runpy.run_path(target[0], run_name="__main__")
+    code: object = 0
+    try:
+        if target[0] == "-m":
+            sys.argv = [target[1], *target[2:]]
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(target)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+            runpy.run_path(target[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        raise
+    finally:
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            code = 1  # SystemExit("message") exits 1
+        with open(os.path.join(directory, f"rank-{rank}.rc"), "w") as f:
+            f.write(f"{code}\n")
 
 
 if __name__ == "__main__":
