@@ -125,6 +125,10 @@ class Comm(Protocol):
         self, obj: Any, root: int = 0, what: str = "bcast", timeout: float | None = None
     ) -> Any: ...
 
+    def bcast_array(self, array: np.ndarray, root: int, what: str = "bcast_array") -> None:
+        """Rank `root`'s contiguous array into every rank's `array` (same dtype and shape)."""
+        ...
+
     def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
         """Raise the same CollectiveError on every rank if `error` is set on any rank."""
         ...
@@ -165,6 +169,10 @@ class NullComm:
         if root != 0:
             raise ValueError(f"root {root} out of range for a world of size 1")
         return obj
+
+    def bcast_array(self, array: np.ndarray, root: int, what: str = "bcast_array") -> None:
+        if root != 0:
+            raise ValueError(f"root {root} out of range for a world of size 1")
 
     def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
         if error is not None:
@@ -312,14 +320,17 @@ class MPIComm:
     def broken(self) -> bool:
         return self._broken is not None
 
-    def _answer_queries(self) -> None:
-        """While waiting, tell any rank that timed out which collective this rank is in."""
+    def _answer_queries(self) -> dict[int, Any]:
+        """While waiting, tell any rank that timed out which collective this rank is in.
+        Returns, per querying rank, the collective it asked from."""
         MPI = self._MPI
         status = MPI.Status()
+        asked: dict[int, Any] = {}
         while self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_QUERY, status):
             source = status.Get_source()
-            self._diag.recv(source=source, tag=_TAG_QUERY)
+            asked[source] = self._diag.recv(source=source, tag=_TAG_QUERY)
             self._diag.send((self.rank, self._current), dest=source, tag=_TAG_REPLY)
+        return asked
 
     def _timed_out(self, what: str, limit: float) -> None:
         MPI = self._MPI
@@ -329,7 +340,11 @@ class MPIComm:
         grace_end = time.monotonic() + min(5.0, max(1.0, 0.05 * limit))
         status = MPI.Status()
         while len(replies) < len(others) and time.monotonic() < grace_end:
-            self._answer_queries()
+            # A rank that timed out in this same collective asks too: its question says where
+            # it is, which counts as its answer (it may stop answering before our questions
+            # reach it, when timeouts are staggered on a loaded machine).
+            for rank, where in self._answer_queries().items():
+                replies.setdefault(rank, where)
             if self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_REPLY, status):
                 rank, where = self._diag.recv(source=status.Get_source(), tag=_TAG_REPLY)
                 replies[rank] = where
@@ -401,6 +416,20 @@ class MPIComm:
             payload = np.empty(int(size[0]), dtype=np.uint8)
         self._wait(self._comm.Ibcast(payload, root=root), what, timeout)
         return obj if self.rank == root else pickle.loads(payload.tobytes())  # type: ignore[union-attr]
+
+    def bcast_array(self, array: np.ndarray, root: int, what: str = "bcast_array") -> None:
+        # Blocking, unlike the other collectives: MPICH moves a large message only while both
+        # sides poll its progress engine, so a rank that sleeps between polls would throttle it
+        # to tens of MB/s. Callers enter only after all ranks agreed to (no rank can be absent
+        # but a dead one, and then the abort hook ends the job).
+        if not array.flags.c_contiguous:
+            raise ValueError("bcast_array needs a C-contiguous array (it fills it in place)")
+        self._begin(what)
+        flat = array.reshape(-1).view(np.uint8)
+        step = 1 << 30  # below any 32-bit count limit
+        for start in range(0, flat.size, step):
+            self._comm.Bcast(flat[start : start + step], root=root)
+        self._current = None
 
     def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
         failed = self.allreduce(0 if error is None else 1, "max", what, timeout)

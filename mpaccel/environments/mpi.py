@@ -28,7 +28,7 @@ _LIBMPI = {"mpich": "libmpich.so.12", "openmpi": "libmpi.so.40"}
 
 
 def _first_line(library_version: str) -> str:
-    lines = library_version.strip().splitlines() or [""]
+    lines = library_version.replace("\x00", "").strip().splitlines() or [""]
     return " ".join(lines[0].split())
 
 
