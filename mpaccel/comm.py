@@ -125,10 +125,6 @@ class Comm(Protocol):
         self, obj: Any, root: int = 0, what: str = "bcast", timeout: float | None = None
     ) -> Any: ...
 
-    def bcast_array(self, array: np.ndarray, root: int, what: str = "bcast_array") -> None:
-        """Rank `root`'s contiguous array into every rank's `array` (same dtype and shape)."""
-        ...
-
     def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
         """Raise the same CollectiveError on every rank if `error` is set on any rank."""
         ...
@@ -169,10 +165,6 @@ class NullComm:
         if root != 0:
             raise ValueError(f"root {root} out of range for a world of size 1")
         return obj
-
-    def bcast_array(self, array: np.ndarray, root: int, what: str = "bcast_array") -> None:
-        if root != 0:
-            raise ValueError(f"root {root} out of range for a world of size 1")
 
     def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
         if error is not None:
@@ -416,20 +408,6 @@ class MPIComm:
             payload = np.empty(int(size[0]), dtype=np.uint8)
         self._wait(self._comm.Ibcast(payload, root=root), what, timeout)
         return obj if self.rank == root else pickle.loads(payload.tobytes())  # type: ignore[union-attr]
-
-    def bcast_array(self, array: np.ndarray, root: int, what: str = "bcast_array") -> None:
-        # Blocking, unlike the other collectives: MPICH moves a large message only while both
-        # sides poll its progress engine, so a rank that sleeps between polls would throttle it
-        # to tens of MB/s. Callers enter only after all ranks agreed to (no rank can be absent
-        # but a dead one, and then the abort hook ends the job).
-        if not array.flags.c_contiguous:
-            raise ValueError("bcast_array needs a C-contiguous array (it fills it in place)")
-        self._begin(what)
-        flat = array.reshape(-1).view(np.uint8)
-        step = 1 << 30  # below any 32-bit count limit
-        for start in range(0, flat.size, step):
-            self._comm.Bcast(flat[start : start + step], root=root)
-        self._current = None
 
     def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
         failed = self.allreduce(0 if error is None else 1, "max", what, timeout)

@@ -240,9 +240,7 @@ def load_state(accelerator: Any, input_dir: str | None) -> str:
     error: BaseException | None = None
     directory = ""
     notes: list[str] = []
-    reader: CheckpointReader | None = None
-    number: int | None = None
-    try:  # 1. find and open the checkpoint (every rank on its own), then agree
+    try:
         if input_dir is None:
             if not (config.automatic_checkpoint_naming and config.project_dir):
                 raise CheckpointError(
@@ -256,25 +254,14 @@ def load_state(accelerator: Any, input_dir: str | None) -> str:
                 raise CheckpointError(f"no complete checkpoint under {root!r}")
             number, directory = latest
         else:
-            directory = os.fspath(input_dir)
-        reader = CheckpointReader(directory, STATE_STEM)
+            directory, number = os.fspath(input_dir), None
+        with CheckpointReader(directory, STATE_STEM) as reader:
+            notes = restore(accelerator, reader, comm.rank)
+        if number is not None:
+            config.iteration = number + 1
     except Exception as exc:
         error = exc
-    what = f"loading checkpoint {directory or input_dir!r}"
-    comm.agree(error, what)
-    assert reader is not None
-    try:
-        reader.prefetch(comm)  # 2. collective: each tensor read once in the job, broadcast
-        error = None
-        try:  # 3. load into the objects (every rank on its own), then agree
-            notes = restore(accelerator, reader, comm.rank)
-            if number is not None:
-                config.iteration = number + 1
-        except Exception as exc:
-            error = exc
-        comm.agree(error, what)
-    finally:
-        reader.close()
+    comm.agree(error, f"loading checkpoint {directory or input_dir!r}")
     if notes and accelerator.is_main_process:
         for note in notes:
             warnings.warn(note, RuntimeWarning, stacklevel=3)

@@ -270,46 +270,11 @@ class CheckpointReader:
                 "upgrade mpaccel to read it.",
             )
         self._files: dict[str, h5py.File] = {}
-        self._prefetched: dict[tuple[str, str], np.ndarray] = {}
-
-    def prefetch(self, comm: Comm) -> None:
-        """Collective. Read each shared tensor once in the whole job and broadcast it, instead of
-        every rank reading everything (at 4 ranks on one disk: 4x the bytes). The rank that
-        owns a shard file (file i: rank i mod N, as when writing) reads and verifies it; a
-        failure on any rank raises the same error on every rank. Later reads of those tensors
-        come from memory. Per-rank files are left to the ranks that need them."""
-        if comm.size == 1:
-            return
-        what = f"loading checkpoint {self.directory!r}"
-        tensors = self.index["tensors"]
-        files = sorted({entry["file"] for entry in tensors.values()})
-        owner = {name: i % comm.size for i, name in enumerate(files)}
-        mine: dict[str, np.ndarray] = {}
-        error: BaseException | None = None
-        try:
-            for key, entry in tensors.items():
-                if owner[entry["file"]] == comm.rank:
-                    mine[key] = self.read_array(key, entry)
-        except Exception as exc:
-            error = exc
-        comm.agree(error, what + " (reading shards)")
-        layout: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for part in comm.allgather(
-            {key: (array.dtype.str, array.shape) for key, array in mine.items()}, what=what
-        ):
-            layout.update(part)
-        for key in sorted(tensors):  # the same order on every rank
-            root = owner[tensors[key]["file"]]
-            dtype, shape = layout[key]
-            array = mine[key] if root == comm.rank else np.empty(shape, dtype=np.dtype(dtype))
-            comm.bcast_array(array, root, what)
-            self._prefetched[(tensors[key]["file"], key)] = array
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
-        self._prefetched.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -331,9 +296,6 @@ class CheckpointReader:
         return self._files[name]
 
     def read_array(self, key: str, entry: Mapping[str, Any], verify: bool = True) -> np.ndarray:
-        prefetched = self._prefetched.get((entry["file"], key))
-        if prefetched is not None:  # read and verified by its owner, then broadcast
-            return prefetched
         path = os.path.join(self.directory, entry["file"])
         try:
             ds = self._file(entry["file"])[key]
