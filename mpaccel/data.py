@@ -18,14 +18,11 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 from .errors import ConfigurationError
 
 
-class SeedableRandomSampler(Sampler[int]):
-    """A random permutation that is the same on every rank: seeded by (seed, epoch).
+class _EpochSeeded:
+    """Seeding by (seed, epoch), the same on every rank. The epoch advances by itself at every
+    new pass, or is set with `set_epoch` (a pass after set_epoch uses that epoch)."""
 
-    The epoch advances by itself at every new iteration, or is set with `set_epoch`.
-    """
-
-    def __init__(self, data_source: Sequence[Any], seed: int) -> None:
-        self.data_source = data_source
+    def __init__(self, seed: int) -> None:
         self.seed = int(seed)
         self.epoch = 0
         self._started = False
@@ -34,38 +31,39 @@ class SeedableRandomSampler(Sampler[int]):
         self.epoch = int(epoch)
         self._started = False
 
-    def __iter__(self) -> Iterator[int]:
+    def _next_generator(self) -> torch.Generator:
         if self._started:  # a new pass without set_epoch(): move on to a new order
             self.epoch += 1
         self._started = True
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.Generator().manual_seed(self.seed + self.epoch)
+
+
+class SeedableRandomSampler(_EpochSeeded, Sampler[int]):
+    """A random permutation that is the same on every rank: seeded by (seed, epoch)."""
+
+    def __init__(self, data_source: Sequence[Any], seed: int) -> None:
+        super().__init__(seed)
+        self.data_source = data_source
+
+    def __iter__(self) -> Iterator[int]:
+        generator = self._next_generator()
         yield from torch.randperm(len(self.data_source), generator=generator).tolist()
 
     def __len__(self) -> int:
         return len(self.data_source)
 
 
-class SynchronizedSampler(Sampler[Any]):
+class SynchronizedSampler(_EpochSeeded, Sampler[Any]):
     """Another random sampler (SubsetRandomSampler, WeightedRandomSampler, or any that draws
     from its `generator` attribute, as torch's do) made to draw the same on every rank: before
-    each pass it gets a generator seeded by (seed, epoch). Epochs advance as in
-    SeedableRandomSampler."""
+    each pass it gets a generator seeded by (seed, epoch)."""
 
     def __init__(self, sampler: Sampler[Any], seed: int) -> None:
+        super().__init__(seed)
         self.sampler = sampler
-        self.seed = int(seed)
-        self.epoch = 0
-        self._started = False
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-        self._started = False
 
     def __iter__(self) -> Iterator[Any]:
-        if self._started:
-            self.epoch += 1
-        self._started = True
-        self.sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)  # type: ignore[attr-defined]
+        self.sampler.generator = self._next_generator()  # type: ignore[attr-defined]
         yield from self.sampler
 
     def __len__(self) -> int:
