@@ -164,6 +164,7 @@ def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm, 
     state = load_model_state(target)
     for key, value in acc.unwrap_model(model).state_dict().items():
         assert state[key].dtype == torch.bfloat16 and torch.equal(state[key], value), key
+    acc.wait_for_everyone()  # every rank has checked the listing above before it changes
     if acc.is_main_process:  # the index temp file of a save that died before its rename
         (target / "model.index.json.tmp-0123456789ab").write_text("{")
     acc.save_model(model, target, max_shard_size="1MB")
