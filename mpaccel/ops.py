@@ -55,7 +55,19 @@ def _mismatch(what: str, metas: list, leaf: int, rule: str) -> ConfigurationErro
     )
 
 
-def _check(what: str, metas: list, same_first_dim: bool, same_ndim_only: bool = False) -> None:
+# What each operation needs to agree across ranks, beyond the structure and the dtypes: a test
+# of (this rank's shape, rank 0's shape), and what to say when it fails.
+_SHAPE_RULES: dict[str, tuple[Callable[[tuple, tuple], bool], str]] = {
+    "shape": (lambda a, b: a == b, "shapes must match"),
+    "trailing": (
+        lambda a, b: len(a) == len(b) and a[1:] == b[1:],
+        "only the first dimension may differ",
+    ),
+    "ndim": (lambda a, b: len(a) == len(b), "the number of dimensions must match"),
+}
+
+
+def _check(what: str, metas: list, rule: str) -> None:
     counts = {len(m) for m in metas}
     if len(counts) != 1:
         raise ConfigurationError(
@@ -63,20 +75,15 @@ def _check(what: str, metas: list, same_first_dim: bool, same_ndim_only: bool = 
             f"({', '.join(f'rank {r}: {len(m)}' for r, m in enumerate(metas))})",
             "every rank must pass the same nested structure.",
         )
+    agrees, message = _SHAPE_RULES[rule]
     for leaf in range(len(metas[0])):
         shape0, dtype0 = metas[0][leaf]
         for m in metas:
             shape, dtype = m[leaf]
             if dtype != dtype0:
                 raise _mismatch(what, metas, leaf, "dtypes must match")
-            if same_ndim_only:
-                if len(shape) != len(shape0):
-                    raise _mismatch(what, metas, leaf, "the number of dimensions must match")
-                continue
-            if same_first_dim and shape != shape0:
-                raise _mismatch(what, metas, leaf, "shapes must match")
-            if not same_first_dim and (len(shape) != len(shape0) or shape[1:] != shape0[1:]):
-                raise _mismatch(what, metas, leaf, "only the first dimension may differ")
+            if not agrees(shape, shape0):
+                raise _mismatch(what, metas, leaf, message)
 
 
 def gather(comm: Comm, data: Any) -> Any:
@@ -87,7 +94,7 @@ def gather(comm: Comm, data: Any) -> Any:
     if comm.size == 1:
         return data
     metas = _metadata(comm, data, "gather")
-    _check("gather", metas, same_first_dim=False)
+    _check("gather", metas, "trailing")
     counter = iter(range(len(metas[0])))
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
@@ -128,7 +135,7 @@ def reduce(comm: Comm, data: Any, reduction: str = "sum", scale: float = 1.0) ->
     if reduction == "none":
         return data
     if comm.size > 1:
-        _check("reduce", _metadata(comm, data, "reduce"), same_first_dim=True)
+        _check("reduce", _metadata(comm, data, "reduce"), "shape")
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
@@ -147,7 +154,7 @@ def broadcast(comm: Comm, data: Any, from_process: int = 0) -> Any:
         return data
     if not 0 <= from_process < comm.size:
         raise ConfigurationError(f"broadcast(from_process={from_process}) is not a rank")
-    _check("broadcast", _metadata(comm, data, "broadcast"), same_first_dim=True)
+    _check("broadcast", _metadata(comm, data, "broadcast"), "shape")
     return _rebuild(data, lambda t: distributed.broadcast(t, from_process))
 
 
@@ -158,7 +165,7 @@ def pad_across_processes(
     metas = _metadata(comm, data, "pad_across_processes")
     # Each rank pads only `dim`, so other dimensions may differ; the structure, the number of
     # dimensions and the dtypes may not (else ranks would fail, or not, one by one).
-    _check("pad_across_processes", metas, same_first_dim=False, same_ndim_only=True)
+    _check("pad_across_processes", metas, "ndim")
     counter = iter(range(len(metas[0])))
 
     def one(tensor: torch.Tensor) -> torch.Tensor:

@@ -266,9 +266,6 @@ class PartialState:
         CollectiveTimeoutError naming the ranks that never arrived. Signals are handled while
         waiting.
         """
-        if timeout is None:  # the common case, kept short: this is a latency-bound call
-            self.comm.barrier("wait_for_everyone")
-            return
         limit = as_timedelta(timeout)
         self.comm.barrier("wait_for_everyone", None if limit is None else limit.total_seconds())
 
