@@ -141,13 +141,15 @@ def instrument(acc: Any) -> Phases:
     import h5py
     import torch
 
-    from mpaccel.checkpoint import sink, storage, training_state
+    from mpaccel.checkpoint import rawio, sink, storage, training_state
 
     phases = Phases()
     phases.wrap(training_state, "collect", "collect state_dicts")
     phases.wrap(storage, "to_numpy", "to_numpy")
     phases.wrap(storage, "checksum", "xxh3 checksum")
-    phases.wrap(sink.ErrorKeepingFile, "finish", "fsync (shards)")
+    phases.wrap(sink.ErrorKeepingFile, "finish", "close (shards)")
+    phases.wrap(rawio, "write_arrays", "data writes + fsync (threads)")
+    phases.wrap(rawio, "read_arrays", "data reads (threads)")
     phases.wrap(storage, "_fsync_path", "fsync (directory)")
     phases.wrap(storage, "commit_index", "commit index (rank 0)")
     phases.wrap(h5py.File, "__init__", "h5py open")

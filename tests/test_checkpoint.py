@@ -135,6 +135,58 @@ def test_round_trip_of_every_component(mpi_tmp_path, comm):
     assert torch.equal(torch.rand(1), expected["torch"])
 
 
+def test_load_fills_the_live_tensors_in_place(mpi_tmp_path, comm):
+    acc, model, opt, sched, loader, progress = _setup()
+    _train(acc, model, opt, sched, loader, progress, epochs=1)
+    acc.save_state(mpi_tmp_path / "inplace")
+    module = acc.unwrap_model(model)
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    saved_opt = {(pid, n): v.clone() for pid, st in opt.state_dict()["state"].items()
+                 for n, v in st.items()}
+    memory = {k: v.data_ptr() for k, v in module.state_dict().items()}
+    opt_memory = {key: opt.state_dict()["state"][key[0]][key[1]].data_ptr() for key in saved_opt}
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(-3.0)
+    for st in opt.state_dict()["state"].values():
+        for v in st.values():
+            v.zero_()
+    acc.load_state(mpi_tmp_path / "inplace")
+    for key, value in module.state_dict().items():
+        assert value.data_ptr() == memory[key], f"{key} got new memory"
+        assert torch.equal(value, saved[key]), key
+    for (pid, name), value in saved_opt.items():
+        now = opt.state_dict()["state"][pid][name]
+        assert now.data_ptr() == opt_memory[(pid, name)], (pid, name)
+        assert torch.equal(now, value), (pid, name)
+    # tensors that cannot take the bytes as they are (another dtype) are loaded by copy
+    acc2, model2, *_ = _setup(seed_model=3)
+    module2 = acc2.unwrap_model(model2).double()
+    acc2.load_state(mpi_tmp_path / "inplace")
+    for key, value in module2.state_dict().items():
+        assert value.dtype == torch.float64 and torch.equal(value, saved[key].double()), key
+
+
+def test_datasets_another_tool_rewrote_chunked_and_compressed_still_load(mpi_tmp_path, comm):
+    acc, model, *_ = _setup()
+    target = mpi_tmp_path / "rewritten"
+    acc.save_model(model, target)
+    expected = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        for shard in glob.glob(os.path.join(target, "model-*.h5")):
+            with h5py.File(shard, "r+") as f:
+                for name in list(f["model"]):
+                    data, attrs = f["model"][name][()], dict(f["model"][name].attrs)
+                    del f["model"][name]
+                    ds = f["model"].create_dataset(name, data=data, chunks=True, compression="gzip")
+                    ds.attrs.update(attrs)
+    acc.wait_for_everyone()
+    state = load_model_state(target)
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
 def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm, monkeypatch):
     from mpaccel.checkpoint import storage
 
@@ -253,8 +305,12 @@ def test_errors_are_raised_on_every_rank(mpi_tmp_path, comm):
     acc.wait_for_everyone()
     with pytest.raises(CollectiveError) as info:
         acc.load_state(good)
-    assert info.value.failed_ranks == list(range(comm.size))
+    # The ranks of a node read one page cache and split the checksums: the rank that verified
+    # the corrupted tensor fails, and every rank raises its error.
+    assert len(info.value.failed_ranks) == 1
     assert "checksum mismatch" in str(info.value) and "00001-of-" in str(info.value)
+    with CheckpointReader(str(good), "state") as reader:  # alone, a reader verifies everything
+        assert len(reader.verify()) == 1
     # a shard file gone missing: named, on every rank
     acc.save_state(mpi_tmp_path / "fresh")
     acc.save_state(mpi_tmp_path / "lost")

@@ -233,6 +233,16 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
     return directory
 
 
+def node_share(comm: Any) -> tuple[int, int]:
+    """(index, count) of this rank among the ranks of its node: they read the same files through
+    one page cache, so each verifies 1/count of the checksums (load_state then agrees)."""
+    hosts = list(getattr(comm, "hosts", ()) or ())
+    if len(hosts) != comm.size:
+        return 0, 1
+    mine = [r for r, host in enumerate(hosts) if host == hosts[comm.rank]]
+    return mine.index(comm.rank), len(mine)
+
+
 def load_state(accelerator: Any, input_dir: str | None) -> str:
     accelerator._async_saver.wait()
     config = accelerator.project_configuration
@@ -255,7 +265,7 @@ def load_state(accelerator: Any, input_dir: str | None) -> str:
             number, directory = latest
         else:
             directory, number = os.fspath(input_dir), None
-        with CheckpointReader(directory, STATE_STEM) as reader:
+        with CheckpointReader(directory, STATE_STEM, node_share(comm)) as reader:
             notes = restore(accelerator, reader, comm.rank)
         if number is not None:
             config.iteration = number + 1

@@ -90,11 +90,15 @@ class ErrorKeepingFile:
         pass  # nothing is buffered: every write went to the kernel
 
     # -- for the checkpoint writer ---------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the first I/O error HDF5's writes met (call once HDF5 closed the file)."""
+        if self.error is not None:
+            raise OSError(self.error.errno, self.error.strerror, self.path)
+
     def finish(self) -> None:
         """After HDF5 closed the file: raise the kept error, else fsync. Closes the descriptor."""
         try:
-            if self.error is not None:
-                raise OSError(self.error.errno, self.error.strerror, self.path)
+            self.check()
             os.fsync(self.fd)
         finally:
             self.close()

@@ -23,9 +23,11 @@ from typing import Any
 
 import h5py
 import numpy as np
+import torch
 
 from .. import __version__
 from ..comm import Comm
+from . import rawio
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -83,34 +85,56 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def _contiguous_early() -> h5py.h5p.PropDCID:
+    """Dataset creation properties: one contiguous extent, allocated when the dataset is created
+    (so its file offset is known before any data is written), never filled."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
+
+
 def _write_h5(path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict:
-    """Write datasets to `path` atomically (temp name, fsync, rename). Returns their entries."""
+    """Write datasets to `path` atomically (temp name, fsync, rename). Returns their entries.
+
+    HDF5 lays the file out and writes its metadata; the data goes to the datasets' extents
+    through rawio (parallel writes with early writeback: see rawio.py)."""
     partial = f"{path}.partial"
-    entries = {}
     # HDF5 writes through a file object that keeps I/O errors from it (see sink.py); they are
-    # raised by finish(), after HDF5 closed the file cleanly.
+    # raised by check()/finish(), after HDF5 closed the file cleanly.
     sink = ErrorKeepingFile(partial)
     try:
+        regions = []
         with h5py.File(sink, "w", libver="latest") as f:
             f.attrs["format"] = FORMAT_NAME
             for key, array in arrays.items():
-                # Contiguous, uncompressed, one write: chunking or compression would cost speed.
-                ds = f.create_dataset(key, shape=array.shape, dtype=array.dtype)
-                if array.size:
-                    ds.write_direct(array)
+                # Contiguous, uncompressed: chunking or compression would cost speed.
+                ds = f.create_dataset(
+                    key, shape=array.shape, dtype=array.dtype, dcpl=_contiguous_early()
+                )
                 ds.attrs["torch_dtype"] = dtypes[key]
-                entries[key] = {
-                    "file": os.path.basename(path),
-                    "dtype": dtypes[key],
-                    "shape": list(array.shape),
-                    "nbytes": int(array.nbytes),
-                    "xxh3": checksum(array),
-                }
+                offset = ds.id.get_offset()
+                if offset is not None:
+                    regions.append((key, offset, array))
+                elif array.size:  # no extent of its own (a 0-d array): HDF5 writes it
+                    ds.write_direct(array)
+        sink.check()
+        written = rawio.write_arrays(sink.fd, partial, regions, checksum)
         sink.finish()
     finally:
         sink.close()
     os.replace(partial, path)
-    return entries
+    return {
+        key: {
+            "file": os.path.basename(path),
+            "dtype": dtypes[key],
+            "shape": list(array.shape),
+            "nbytes": int(array.nbytes),
+            "xxh3": written[key] if key in written else checksum(array),
+        }
+        for key, array in arrays.items()
+    }
 
 
 def _split(trees: Mapping[str, Any]) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
@@ -243,11 +267,18 @@ def commit_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
 
 
 class CheckpointReader:
-    """Read a committed checkpoint. Not collective; every read is checked against the index."""
+    """Read a committed checkpoint. Not collective; every read is checked against the index.
 
-    def __init__(self, directory: str, stem: str) -> None:
+    `verify_share=(i, n)`: verify the checksums of every n-th shared tensor only, starting at the
+    i-th (in sorted key order). For n processes of one node reading the same files (one page
+    cache, so the same bytes): together they verify each tensor once; the caller must make any
+    failure everyone's (load_state ends in a collective agreement). Per-rank files are always
+    verified in full."""
+
+    def __init__(self, directory: str, stem: str, verify_share: tuple[int, int] = (0, 1)) -> None:
         self.directory = directory
         self.stem = stem
+        self.verify_share = verify_share
         path = os.path.join(directory, f"{stem}.index.json")
         if not os.path.isdir(directory):
             raise CheckpointError(f"no checkpoint at {directory!r}: the directory does not exist")
@@ -269,12 +300,17 @@ class CheckpointReader:
                 f"reads up to {FORMAT_VERSION}",
                 "upgrade mpaccel to read it.",
             )
+        self._ordinal = {key: i for i, key in enumerate(sorted(self.index["tensors"]))}
         self._files: dict[str, h5py.File] = {}
+        self._fds: dict[str, int] = {}
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -286,36 +322,82 @@ class CheckpointReader:
     def world_size(self) -> int:
         return int(self.index["world_size"])
 
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
     def _file(self, name: str) -> h5py.File:
         if name not in self._files:
-            path = os.path.join(self.directory, name)
             try:
-                self._files[name] = h5py.File(path, "r")
+                self._files[name] = h5py.File(self._path(name), "r")
+                self._fds[name] = os.open(self._path(name), os.O_RDONLY)
             except (OSError, FileNotFoundError) as exc:
-                raise CheckpointError(f"cannot open checkpoint file {path!r}: {exc}") from exc
+                raise CheckpointError(
+                    f"cannot open checkpoint file {self._path(name)!r}: {exc}"
+                ) from exc
         return self._files[name]
 
-    def read_array(self, key: str, entry: Mapping[str, Any], verify: bool = True) -> np.ndarray:
-        path = os.path.join(self.directory, entry["file"])
-        try:
-            ds = self._file(entry["file"])[key]
-            array = np.empty(ds.shape, dtype=ds.dtype)
-            if array.size:
-                ds.read_direct(array)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"cannot read {key!r} from {path!r}: {exc}") from exc
-        if list(array.shape) != entry["shape"]:
+    def _verify(self, key: str, array: np.ndarray, entry: Mapping[str, Any]) -> None:
+        if checksum(array) != entry["xxh3"]:
             raise CheckpointError(
-                f"{path!r}: {key!r} has shape {array.shape}, index says {entry['shape']}"
-            )
-        if verify and checksum(array) != entry["xxh3"]:
-            raise CheckpointError(
-                f"checksum mismatch for {key!r} in {path!r}: the file is corrupted",
+                f"checksum mismatch for {key!r} in {self._path(entry['file'])!r}: the file is "
+                "corrupted",
                 "restore the file from a copy, or load an earlier checkpoint.",
             )
-        return array
+
+    def read_arrays(
+        self,
+        wanted: list[tuple[str, Mapping[str, Any], np.ndarray | None, bool]],
+    ) -> dict[str, np.ndarray]:
+        """Read (key, index entry, destination or None, verify) items, on several threads.
+
+        A destination of the right dtype and shape is filled in place (and returned); otherwise a
+        new array is. Contiguous datasets are read by rawio at their file offsets, others
+        (0-d, or written by another tool with chunks or filters) through h5py."""
+        out: dict[str, np.ndarray] = {}
+        tasks: list[rawio.ReadTask] = []
+        for key, entry, dest, verify in wanted:
+            path = self._path(entry["file"])
+            try:
+                ds = self._file(entry["file"])[key]
+                if list(ds.shape) != entry["shape"]:
+                    raise CheckpointError(
+                        f"{path!r}: {key!r} has shape {ds.shape}, index says {entry['shape']}"
+                    )
+                if dest is None or dest.dtype != ds.dtype or dest.shape != ds.shape:
+                    dest = np.empty(ds.shape, dtype=ds.dtype)
+                plist = ds.id.get_create_plist()
+                offset = None
+                if (
+                    plist.get_layout() == h5py.h5d.CONTIGUOUS
+                    and plist.get_nfilters() == 0
+                    and plist.get_external_count() == 0
+                ):
+                    offset = ds.id.get_offset()
+                out[key] = dest
+                check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
+                if offset is None or dest.size == 0:
+                    if dest.size:
+                        ds.read_direct(dest)
+                    if check:
+                        check(dest)
+                else:
+                    fd = self._fds[entry["file"]]
+                    tasks.append(rawio.ReadTask(key, path, fd, offset, dest, check))
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"cannot read {key!r} from {path!r}: {exc}") from exc
+
+        def error(task: rawio.ReadTask, exc: BaseException) -> BaseException:
+            if isinstance(exc, CheckpointError):
+                return exc
+            return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
+
+        rawio.read_arrays(tasks, error)
+        return out
+
+    def read_array(self, key: str, entry: Mapping[str, Any], verify: bool = True) -> np.ndarray:
+        return self.read_arrays([(key, entry, None, verify)])[key]
 
     def tensor(self, key: str, verify: bool = True) -> Any:
         entry = self.index["tensors"].get(key)
@@ -332,26 +414,62 @@ class CheckpointReader:
     def components(self) -> list[str]:
         return list(self.index["components"])
 
-    def component(self, component: str, verify: bool = True) -> Any:
+    def _tree(
+        self,
+        component: str,
+        document: Any,
+        entries: Mapping[str, Any],
+        into: Any,
+        verify: Any,
+    ) -> Any:
+        """Rebuild one component's tree, reading all its tensors at once; tensors of `into` (a
+        tree of the same shape, e.g. the live state_dict) that match are filled in place."""
+        targets = flatten(into, component)[1] if into is not None else {}
+        names: list[str] = []
+        unflatten(document, lambda name, kind: names.append(name))
+        wanted = []
+        reuse: dict[str, tuple[Any, np.ndarray]] = {}
+        for name in names:
+            key = _dataset_name(component, name)
+            entry = entries.get(key)
+            if entry is None:
+                raise CheckpointError(f"{self.directory!r}: the index names no tensor {key!r}")
+            view = _writable_view(targets.get(name), entry)
+            if view is not None:
+                reuse[key] = (targets[name], view)
+            wanted.append((key, entry, view, verify(key)))
+        arrays = self.read_arrays(wanted)
+
+        def load(name: str, kind: str) -> Any:
+            key = _dataset_name(component, name)
+            if key in reuse and arrays[key] is reuse[key][1]:
+                return reuse[key][0]  # filled in place
+            return self._decode(arrays[key], entries[key]["dtype"])
+
+        return unflatten(document, load)
+
+    def component(self, component: str, verify: bool = True, into: Any = None) -> Any:
+        """The component's state tree. `into`: a tree whose matching tensors (same dtype and
+        shape, contiguous, in host memory) are filled in place and returned as they are: no
+        new memory and no second copy, but a failed read leaves them partly overwritten."""
         if component not in self.index["components"]:
             raise CheckpointError(
                 f"{self.directory!r} has no {component!r} (it has {self.components()})"
             )
-
-        def load(name: str, kind: str) -> Any:
-            return self.tensor(_dataset_name(component, name), verify)
-
-        return unflatten(self.index["components"][component], load)
+        index, count = self.verify_share
+        return self._tree(
+            component,
+            self.index["components"][component],
+            self.index["tensors"],
+            into,
+            lambda key: verify and self._ordinal[key] % count == index,
+        )
 
     def rank_component(self, rank: int, component: str, verify: bool = True) -> Any:
         part = self.index["per_rank"][rank]
-
-        def load(name: str, kind: str) -> Any:
-            key = _dataset_name(component, name)
-            entry = part["tensors"][key]
-            return self._decode(self.read_array(key, entry, verify), entry["dtype"])
-
-        return unflatten(part["components"][component], load)
+        return self._tree(
+            component, part["components"][component], part["tensors"], None, lambda key: verify
+        )
 
     def verify(self) -> list[str]:
         """Check every tensor's checksum; returns the problems found (empty: all good)."""
@@ -365,3 +483,23 @@ class CheckpointReader:
             except CheckpointError as exc:
                 problems.append(str(exc))
         return problems
+
+
+def _writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:
+    """A numpy view of `tensor`'s memory if the entry's bytes can be read straight into it."""
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.device.type != "cpu"
+        or tensor.layout != torch.strided
+        or not tensor.is_contiguous()
+        or dtype_name(tensor.dtype) != entry["dtype"]
+        or list(tensor.shape) != entry["shape"]
+    ):
+        return None
+    try:
+        view = to_numpy(tensor)
+    except (RuntimeError, TypeError):
+        return None
+    if not view.flags.writeable or view.ctypes.data != tensor.data_ptr():
+        return None
+    return view

@@ -99,7 +99,8 @@ def collect(accelerator: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         # DDP's no_sync, differ from rank to rank).
         for i, model in enumerate(accelerator._models):
             per_rank[f"gradients_{i}"] = {
-                name: p.grad for name, p in accelerator.unwrap_model(model).named_parameters()
+                name: p.grad
+                for name, p in accelerator.unwrap_model(model).named_parameters()
                 if p.grad is not None
             }
     return shared, per_rank
@@ -135,11 +136,16 @@ def restore(accelerator: Any, reader: Any, rank: int) -> list[str]:
             f"{directory!r} has no {missing} (it holds {reader.components()})",
             "prepare()/register_for_checkpointing() the same objects as when it was saved.",
         )
+    # Models and optimizers are read straight into their current tensors where dtype and shape
+    # match (no new memory, no second copy); load_state_dict then checks keys and shapes and
+    # takes the rest. A failed read leaves them partly overwritten, and every rank raises.
     for i, model in enumerate(accelerator._models):
-        state = reader.component(f"model_{i}")
-        _load_into(f"model_{i}", accelerator.unwrap_model(model), state, directory)
+        module = accelerator.unwrap_model(model)
+        state = reader.component(f"model_{i}", into=module.state_dict())
+        _load_into(f"model_{i}", module, state, directory)
     for i, opt in enumerate(accelerator._optimizers):
-        _load_into(f"optimizer_{i}", opt, reader.component(f"optimizer_{i}"), directory)
+        state = reader.component(f"optimizer_{i}", into=opt.state_dict())
+        _load_into(f"optimizer_{i}", opt, state, directory)
     for i, sched in enumerate(accelerator._schedulers):
         _load_into(f"scheduler_{i}", sched, reader.component(f"scheduler_{i}"), directory)
     if accelerator.scaler is not None and "scaler" in reader.components():
@@ -157,8 +163,10 @@ def restore(accelerator: Any, reader: Any, rank: int) -> list[str]:
         if f"gradients_{i}" not in reader.index["per_rank"][source]["components"]:
             continue
         if not same_world:
-            notes.append(f"{directory!r} was saved mid-accumulation; the partial gradients of "
-                         "each process cannot be mapped to another world size and were dropped")
+            notes.append(
+                f"{directory!r} was saved mid-accumulation; the partial gradients of "
+                "each process cannot be mapped to another world size and were dropped"
+            )
             continue
         grads = reader.rank_component(rank, f"gradients_{i}")
         for name, p in accelerator.unwrap_model(model).named_parameters():

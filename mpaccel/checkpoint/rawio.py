@@ -1,0 +1,258 @@
+"""Moving tensor bytes between memory and the data regions of checkpoint HDF5 files.
+
+HDF5 lays the file out (superblock, object headers, one contiguous, early-allocated extent per
+dataset) and mpaccel moves the bytes itself, with plain pwrite/preadv at the extents' offsets:
+
+- Writes run on a few threads in 64 MiB pieces, and after each piece the kernel is told to start
+  writing it back (sync_file_range WRITE on Linux). The disk is busy while the next piece is
+  copied into the page cache, so the final fsync waits for the tail only. Measured here on 1.5
+  GiB: 2.1 GiB/s write+fsync, against 1.2 through HDF5's own writes, 1.2-1.5 for safetensors and
+  1.3 for dd conv=fdatasync (docs/benchmarks.md).
+- Reads run on a few threads straight into their destination (an existing tensor when there is
+  one: no fresh memory, no second copy), with a prefetcher that keeps the disk busy ahead of the
+  readers (posix_fadvise WILLNEED, bounded window). Checksums are computed by the thread that
+  completes a tensor, while other pieces are still in flight.
+
+The files stay ordinary HDF5: h5py, h5ls and h5dump read them like any other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+PIECE = 64 << 20  # bytes per pwrite/preadv call and per writeback request
+PREFETCH_WINDOW = 1 << 30  # how far the prefetcher may run ahead of the readers
+
+
+def io_threads() -> int:
+    """Threads per process for checkpoint I/O (MPACCEL_IO_THREADS, default 2)."""
+    value = os.environ.get("MPACCEL_IO_THREADS", "2")
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise ValueError(f"MPACCEL_IO_THREADS={value!r} is not a number of threads") from None
+
+
+def _writeback_starter() -> Callable[[int, int, int], None]:
+    """sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) where the C library has it
+    (Linux), else a no-op. Asynchronous; errors surface in the final fsync."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return lambda fd, offset, nbytes: None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    write = 2  # SYNC_FILE_RANGE_WRITE
+
+    def start(fd: int, offset: int, nbytes: int) -> None:
+        function(fd, offset, nbytes, write)  # ctypes releases the GIL around the call
+
+    return start
+
+
+start_writeback = _writeback_starter()
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array (0-d included), writable if the array is."""
+    return array.reshape(-1).data.cast("B")
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):  # pwrite may write less than asked
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def preadv_all(fd: int, view: memoryview, offset: int) -> int:
+    """Fill `view` from `offset`; returns the bytes read (fewer only at the end of the file)."""
+    done = 0
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count == 0:
+            break
+        done += count
+    return done
+
+
+def _pieces(nbytes: int) -> list[tuple[int, int]]:
+    return [(start, min(PIECE, nbytes - start)) for start in range(0, nbytes, PIECE)]
+
+
+class _FirstError:
+    """The first exception raised by any worker; the others stop at their next piece."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def keep(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+
+    def raise_if_any(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def write_arrays(
+    fd: int,
+    path: str,
+    regions: Sequence[tuple[str, int, np.ndarray]],
+    digest: Callable[[np.ndarray], str],
+    threads: int | None = None,
+) -> dict[str, str]:
+    """Write each (key, offset, array) at its offset of `fd`, fsync, and return {key: digest}.
+
+    Raises OSError naming `path` and the key being written (ENOSPC, EIO...)."""
+    threads = threads or io_threads()
+    failed = _FirstError()
+
+    def put(task: tuple[str, int, np.ndarray, int, int]) -> None:
+        key, offset, array, start, size = task
+        if failed.error is not None:
+            return
+        try:
+            pwrite_all(fd, byte_view(array)[start : start + size], offset + start)
+            start_writeback(fd, offset + start, size)
+        except OSError as exc:
+            failed.keep(OSError(exc.errno, f"{exc.strerror} (writing {key!r})", path))
+
+    tasks = [
+        (key, offset, array, start, size)
+        for key, offset, array in regions
+        for start, size in _pieces(array.nbytes)
+    ]
+    digests: dict[str, str] = {}
+    with ThreadPoolExecutor(threads, thread_name_prefix="mpaccel-write") as pool:
+        list(pool.map(put, tasks))
+        failed.raise_if_any()
+
+        def sync() -> None:
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                failed.keep(OSError(exc.errno, exc.strerror, path))
+
+        # checksums while the tail of the data goes to the disk
+        syncing = pool.submit(sync)
+        for key, value in zip(
+            [key for key, _, _ in regions], pool.map(digest, [a for _, _, a in regions])
+        ):
+            digests[key] = value
+        syncing.result()
+    failed.raise_if_any()
+    return digests
+
+
+class Prefetcher:
+    """Asks the kernel to read (fd, offset, nbytes) ranges ahead of the readers, in order, never
+    more than `window` bytes ahead of what the readers reported done. A hint: no-op where
+    posix_fadvise is missing; closing it stops it."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int, int]], window: int = PREFETCH_WINDOW):
+        self._ranges = [r for r in ranges if r[2] > 0]
+        self._window = window
+        self._consumed = 0
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        if self._ranges and hasattr(os, "posix_fadvise"):
+            self._thread = threading.Thread(target=self._run, name="mpaccel-prefetch", daemon=True)
+            self._thread.start()
+
+    def consumed(self, nbytes: int) -> None:
+        with self._cond:
+            self._consumed += nbytes
+            self._cond.notify()
+
+    def _run(self) -> None:
+        advised = 0
+        for fd, offset, nbytes in self._ranges:
+            for start, size in _pieces(nbytes):
+                with self._cond:
+                    while not self._stop and advised - self._consumed >= self._window:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                try:
+                    os.posix_fadvise(fd, offset + start, size, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return  # only a hint
+                advised += size
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class ReadTask:
+    """One tensor to read: `out` is filled from (fd, offset); `check(out)` runs once it is
+    complete (checksum, may raise)."""
+
+    __slots__ = ("_left", "_lock", "check", "fd", "key", "offset", "out", "path")
+
+    def __init__(
+        self, key: str, path: str, fd: int, offset: int, out: np.ndarray, check: Any
+    ) -> None:
+        self.key, self.path, self.fd, self.offset, self.out = key, path, fd, offset, out
+        self.check = check
+        self._left = len(_pieces(out.nbytes))
+        self._lock = threading.Lock()
+
+    def piece_done(self) -> bool:
+        with self._lock:
+            self._left -= 1
+            return self._left == 0
+
+
+def read_arrays(
+    tasks: Sequence[ReadTask],
+    error: Callable[[ReadTask, BaseException], BaseException],
+    threads: int | None = None,
+) -> None:
+    """Fill every task's array (pieces on `threads` threads, a prefetcher ahead of them) and run
+    its check. The first failure, turned into an exception by `error(task, exc)`, is raised."""
+    threads = threads or io_threads()
+    failed = _FirstError()
+    ordered = sorted(tasks, key=lambda t: (t.path, t.offset))
+    prefetch = Prefetcher([(t.fd, t.offset, t.out.nbytes) for t in ordered])
+
+    def get(item: tuple[ReadTask, int, int]) -> None:
+        task, start, size = item
+        if failed.error is not None:
+            return
+        try:
+            view = byte_view(task.out)[start : start + size]
+            if preadv_all(task.fd, view, task.offset + start) < size:
+                raise OSError(f"the file ends before the data of {task.key!r} (truncated)")
+            prefetch.consumed(size)
+            if task.piece_done() and task.check is not None:
+                task.check(task.out)
+        except Exception as exc:
+            failed.keep(error(task, exc))
+
+    pieces = [(t, start, size) for t in ordered for start, size in _pieces(t.out.nbytes)]
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="mpaccel-read") as pool:
+            list(pool.map(get, pieces))
+        for task in ordered:  # empty arrays have no piece: check them here
+            if task.out.nbytes == 0 and task.check is not None and failed.error is None:
+                try:
+                    task.check(task.out)
+                except Exception as exc:
+                    failed.keep(error(task, exc))
+    finally:
+        prefetch.close()
+    failed.raise_if_any()
