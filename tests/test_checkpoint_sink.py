@@ -129,7 +129,7 @@ def test_enospc_anywhere_in_a_checkpoint_file_is_one_clean_error(monkeypatch, tm
         seen = []
         lock = threading.Lock()
 
-        def full_disk(fd, data, offset, failing=failing, seen=seen):
+        def full_disk(fd, data, offset, failing=failing, seen=seen, lock=lock):
             with lock:
                 seen.append(offset)
                 fail = len(seen) > failing
