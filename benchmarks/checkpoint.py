@@ -12,14 +12,21 @@ params + exp_avg + exp_avg_sq = 3x the parameters (1.5 GiB by default). Then, ro
                 common barrier until the call has returned on every rank (max over ranks), so a
                 save includes fsync and the index commit, a load the checksum verification
                 and load_state_dict. Each rank of a load reads the whole state.
-  torch         rank 0 only: torch.save({"model":..., "optimizer":...}) + fsync / torch.load
-  safetensors   rank 0 only: save_file(flat dict) + fsync / load_file (default mmap backend)
-                + one byte of every page touched: load_file alone maps the file, reads nothing
+  torch         save, rank 0 only: torch.save({"model":..., "optimizer":...}) + fsync.
+                load, every rank (as Accelerate's load_state does): torch.load, then the
+                model's and the optimizer's load_state_dict. Also timed: torch.load alone.
+  safetensors   save, rank 0 only: save_file(flat dict) + fsync. load, every rank: load_file
+                (default mmap backend) + one byte of every page touched (load_file alone maps
+                the file and reads nothing), then load_state_dict as above. Also timed: the
+                file part alone.
   numpy         rank 0 only: ndarray.tofile of every tensor into one file + fsync / readinto
   dd            rank 0 only, the disk limit: dd if=/dev/zero bs=64M conv=fdatasync of the same
-                byte count / dd of=/dev/null
-While rank 0 measures a peer, the other ranks wait, untimed, in a sleeping barrier (MPICH's
-blocking collectives busy-poll and would steal a core from rank 0 at n=4 on 2 cores).
+                byte count / dd of=/dev/null. At n > 1 also "dd x n": n dd readers of the
+                file at once (cold), the disk plus one private copy per process.
+While rank 0 alone measures something, the other ranks wait, untimed, in a sleeping barrier
+(MPICH's blocking collectives busy-poll and would steal a core from rank 0 at n=4 on 2 cores).
+After a peer's load, untimed, the optimizer gets its own state tensors back (a safetensors load
+leaves it holding copy-on-write file mappings, which would slow whatever writes to them next).
 
 Each method per round: save, load from the page cache ("warm", the file was just written),
 drop the page cache (`sync; echo 3 > /proc/sys/vm/drop_caches`, root only), load again ("cold"),
@@ -31,7 +38,7 @@ Warm loads of safetensors only map cached pages (no copy): not comparable with t
 
 Throughput = state bytes (tensors of the model and optimizer state dicts) / seconds, in GiB/s.
 mpaccel saves are also broken down per phase (timers wrapped around mpaccel's functions from
-outside: to_numpy, create_dataset, write_direct, checksum, HDF5 close, fsync, collectives).
+outside: to_numpy, create_dataset, data writes/reads, checksum, HDF5 close, collectives).
 
 Usage (from the repository root, mpaccel's venv active):
 
@@ -62,6 +69,9 @@ from typing import Any
 
 GIB = 2**30
 METHODS = ["mpaccel", "torch", "safetensors", "numpy", "dd"]
+# save; loads from the page cache (warm) and from the disk (cold); for peers also the file part
+# of their loads (warm_file, cold_file); for dd at n > 1, n readers at once (cold_n)
+KINDS = ["save", "warm", "cold", "warm_file", "cold_file", "cold_n"]
 PEERS = ("torch", "safetensors")
 
 
@@ -240,6 +250,33 @@ def st_load(path: str) -> Any:
     return loaded
 
 
+def into_training_state(model: Any, opt: Any, state: dict) -> None:
+    """What a load is for: the model's and the optimizer's load_state_dict."""
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+
+
+def unflatten_tensors(flat: dict, opt: Any) -> dict:
+    """flat_tensors() undone, with the optimizer's param_groups (safetensors holds tensors only)."""
+    model = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
+    state: dict[int, dict[str, Any]] = defaultdict(dict)
+    for k, v in flat.items():
+        if k.startswith("optimizer.state."):
+            pid, name = k.removeprefix("optimizer.state.").split(".", 1)
+            state[int(pid)][name] = v
+    groups = opt.state_dict()["param_groups"]
+    return {"model": model, "optimizer": {"state": dict(state), "param_groups": groups}}
+
+
+def timed_parts(read: Callable[[], Any], use: Callable[[Any], None]) -> float:
+    """Run read() then use(result); returns read()'s own seconds (the file part)."""
+    t0 = time.perf_counter()
+    loaded = read()
+    seconds = time.perf_counter() - t0
+    use(loaded)
+    return seconds
+
+
 def np_save(flat: dict, path: str) -> None:
     with open(path, "wb") as f:
         for t in flat.values():
@@ -276,6 +313,27 @@ def dd_write(path: str, count: int) -> float:
 
 def dd_read(path: str) -> float:
     return dd_seconds([f"if={path}", "of=/dev/null", "bs=64M"])
+
+
+def dd_read_many(path: str, count: int) -> float:
+    """`count` dd readers of the same file at once; the slowest one's own elapsed time."""
+    readers = [
+        subprocess.Popen(
+            ["dd", f"if={path}", "of=/dev/null", "bs=64M"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    seconds = []
+    for reader in readers:
+        _, err = reader.communicate()
+        match = re.search(r"copied, ([0-9.,e+-]+) s", err)
+        if reader.returncode or not match:
+            raise RuntimeError(f"dd failed: {err!r}")
+        seconds.append(float(match.group(1).replace(",", ".")))
+    return max(seconds)
 
 
 def drop_caches() -> bool:
@@ -364,9 +422,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     can_drop = world.bcast(drop_caches() if rank == 0 else None)
 
     phases = instrument(acc)
-    results: dict[str, dict[str, list[float]]] = {
-        m: {"save": [], "warm": [], "cold": []} for m in METHODS
-    }
+    results: dict[str, dict[str, list[float]]] = {m: {kind: [] for kind in KINDS} for m in METHODS}
     breakdown: list[dict[str, Any]] = []
     prefaults: list[tuple[float, float]] = []  # (GiB touched, seconds)
     ckpt = os.path.join(base, "mpaccel_state")
@@ -375,11 +431,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prefault_all = (world.size + 1) * gib + 1.0 if args.prefault else 0.0
     prefault_one = 2 * gib + 1.0 if args.prefault else 0.0
 
+    module = acc.unwrap_model(model)
+    pristine = opt.state_dict()  # the optimizer's own state tensors, given back after a peer load
+    part_seconds: list[float] = []  # the file part of the last peer load, max over ranks
+
     def timed(
-        fn: Callable[[], Any], everyone: bool, cold: bool = False, own_clock: bool = False
+        fn: Callable[[], Any],
+        everyone: bool,
+        cold: bool = False,
+        own_clock: bool = False,
+        part: bool = False,
     ) -> float:
         """Seconds of `fn` on every rank (max) or on rank 0 alone (the others wait, untimed).
-        Before it, untimed: drop the page cache (cold), touch fresh memory (prefault)."""
+        Before it, untimed: drop the page cache (cold), touch fresh memory (prefault).
+        part: fn returns the seconds of its first part, kept (max over ranks) in part_seconds."""
         world.barrier()
         if rank == 0:
             if cold:
@@ -387,11 +452,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.prefault:
                 prefaults.append(prefault(prefault_all if everyone else prefault_one))
         world.barrier()
-        elapsed = 0.0
+        elapsed = first = 0.0
         if everyone or rank == 0:
             t0 = time.perf_counter()
             out = fn()
             elapsed = out if own_clock else time.perf_counter() - t0
+            first = out if part else 0.0
+        if part:
+            part_seconds[:] = [world.max(first)]
         return world.max(elapsed) if everyone else world.bcast(elapsed)
 
     def settle() -> None:
@@ -409,6 +477,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def measure(method: str, record: bool) -> None:
         path = os.path.join(base, f"bench.{method}")
         nan = float("nan")
+        extra: dict[str, float] = {}
         if method == "mpaccel":
             phases.reset()
             save = timed(lambda: acc.save_state(ckpt), everyone=True)
@@ -428,19 +497,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cold = nan
             if can_drop:
                 cold = timed(lambda: dd_read(path), False, cold=True, own_clock=True) * scale
-        else:
-            save_fn, load_fn = {
-                "torch": (lambda: torch_save(state, path), lambda: torch_load(path)),
-                "safetensors": (lambda: st_save(flat, path), lambda: st_load(path)),
-                "numpy": (lambda: np_save(flat, path), lambda: np_load(flat, path)),
+                if world.size > 1:
+                    many = lambda: dd_read_many(path, world.size)  # noqa: E731
+                    extra["cold_n"] = timed(many, False, cold=True, own_clock=True) * scale
+        elif method == "numpy":
+            save = timed(lambda: np_save(flat, path), everyone=False)
+            warm = timed(lambda: np_load(flat, path), everyone=False)
+            cold = timed(lambda: np_load(flat, path), False, cold=True) if can_drop else nan
+        else:  # a peer: saved by rank 0, loaded by every rank into the model and optimizer
+            read, use = {
+                "torch": (
+                    lambda: torch_load(path),
+                    lambda st: into_training_state(module, opt, st),
+                ),
+                "safetensors": (
+                    lambda: st_load(path),
+                    lambda flat: into_training_state(module, opt, unflatten_tensors(flat, opt)),
+                ),
             }[method]
+            save_fn = {
+                "torch": lambda: torch_save(state, path),
+                "safetensors": lambda: st_save(flat, path),
+            }[method]
+
+            def load() -> float:
+                return timed_parts(read, use)
+
             save = timed(save_fn, everyone=False)
-            warm = timed(load_fn, everyone=False)
-            cold = timed(load_fn, everyone=False, cold=True) if can_drop else nan
+            warm = timed(load, everyone=True, part=True)
+            extra["warm_file"] = part_seconds[0]
+            opt.load_state_dict(pristine)
+            cold = nan
+            if can_drop:
+                cold = timed(load, everyone=True, cold=True, part=True)
+                extra["cold_file"] = part_seconds[0]
+                opt.load_state_dict(pristine)
         if record:
             results[method]["save"].append(save)
             results[method]["warm"].append(warm)
             results[method]["cold"].append(cold)
+            for kind, seconds in extra.items():
+                results[method][kind].append(seconds)
         if rank == 0 and args.verbose:
             print(
                 f"  {method:12s} save {gib / save:5.2f}  warm load {gib / warm:5.2f}  "
@@ -569,6 +666,28 @@ def print_table(report: dict[str, Any]) -> None:
             f"{cell(m, 'cold'):>18s} {med[m]['cold'] / disk['cold']:6.2f} "
             f"{med[m]['cold'] / best_peer['cold']:6.2f} "
             f"{cell(m, 'warm'):>18s} {med[m]['warm'] / best_peer['warm']:6.2f}"
+        )
+    # the peers' loads without their load_state_dict (the file part), and dd x n
+    file_best = {
+        k: max(
+            (med[p][f"{k}_file"] for p in PEERS if not math.isnan(med[p][f"{k}_file"])), default=nan
+        )
+        for k in ("warm", "cold")
+    }
+    print(
+        "\nfile part of the peers' loads (every rank; no load_state_dict), GiB/s; "
+        "mpaccel / best of them:"
+    )
+    for p in PEERS:
+        print(f"  {p:12s} cold {cell(p, 'cold_file'):>18s}   warm {cell(p, 'warm_file'):>18s}")
+    print(
+        f"  mpaccel / best: cold {med['mpaccel']['cold'] / file_best['cold']:.2f}, "
+        f"warm {med['mpaccel']['warm'] / file_best['warm']:.2f}"
+    )
+    if rates["dd"]["cold_n"]:
+        print(
+            f"dd x {report['ranks']} (that many readers at once, cold): {cell('dd', 'cold_n')} "
+            f"GiB/s; mpaccel cold load / that: {med['mpaccel']['cold'] / med['dd']['cold_n']:.2f}"
         )
     if report["prefault_gib"]:
         print(

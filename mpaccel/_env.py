@@ -58,6 +58,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "debug": ("MPACCEL_DEBUG", "ACCELERATE_DEBUG_MODE"),
     "mixed_precision": ("MPACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"),
     "use_cpu": ("MPACCEL_USE_CPU", "ACCELERATE_USE_CPU"),
+    "io_threads": ("MPACCEL_IO_THREADS",),
     "test_timeout": ("MPACCEL_TEST_TIMEOUT",),
     "mpiexec": ("MPACCEL_MPIEXEC",),
     "ci": ("CI",),

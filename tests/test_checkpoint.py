@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import random
@@ -303,12 +304,19 @@ def test_errors_are_raised_on_every_rank(mpi_tmp_path, comm):
     if acc.is_main_process:
         _corrupt_one_byte(good)
     acc.wait_for_everyone()
+    torch.rand(1)  # the RNG moves on from the saved state; a failed load must not restore it
+    rng_before = torch.get_rng_state()
     with pytest.raises(CollectiveError) as info:
         acc.load_state(good)
+    assert torch.equal(torch.get_rng_state(), rng_before)
     # The ranks of a node read one page cache and split the checksums: the rank that verified
     # the corrupted tensor fails, and every rank raises its error.
     assert len(info.value.failed_ranks) == 1
     assert "checksum mismatch" in str(info.value) and "00001-of-" in str(info.value)
+    # ... and every rank stopped at the same point: the same bytes in the model, nothing else
+    # (step, RNG, dataloader position) applied anywhere
+    digest = hashlib.sha256(_params(acc, model).numpy().tobytes()).hexdigest()
+    assert len(set(comm.allgather((digest, acc.step)))) == 1
     with CheckpointReader(str(good), "state") as reader:  # alone, a reader verifies everything
         assert len(reader.verify()) == 1
     # a shard file gone missing: named, on every rank
@@ -332,6 +340,26 @@ def test_errors_are_raised_on_every_rank(mpi_tmp_path, comm):
     message = str(info.value)
     assert "model_0" in message and "1.weight" in message and "2.weight" in message, message
     assert info.value.failed_ranks == list(range(comm.size)) and "rank 0" in message
+
+
+def test_an_optimizer_of_another_layout_is_refused_untouched(mpi_tmp_path, comm):
+    acc, model, opt, sched, loader, progress = _setup()
+    _train(acc, model, opt, sched, loader, progress, epochs=1)
+    acc.save_state(mpi_tmp_path / "layout")
+    acc2, model2, opt2, sched2, loader2, progress2 = _setup(seed_model=4)
+    _train(acc2, model2, opt2, sched2, loader2, progress2, epochs=1)
+    inner = opt2.optimizer
+    weights = [p for n, p in acc2.unwrap_model(model2).named_parameters() if "weight" in n]
+    others = [p for n, p in acc2.unwrap_model(model2).named_parameters() if "weight" not in n]
+    inner.param_groups = []  # the same parameters in two groups: a layout the save lacks
+    inner.add_param_group({"params": weights, "lr": 1e-2})
+    inner.add_param_group({"params": others, "lr": 1e-2})
+    before = {(pid, n): v.clone() for pid, st in opt2.state_dict()["state"].items()
+              for n, v in st.items()}
+    with pytest.raises(CollectiveError, match="optimizer_0"):
+        acc2.load_state(mpi_tmp_path / "layout")
+    for (pid, name), value in before.items():
+        assert torch.equal(opt2.state_dict()["state"][pid][name], value), (pid, name)
 
 
 def test_automatic_naming_rotation_and_latest(mpi_tmp_path, comm):

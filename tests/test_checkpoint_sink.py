@@ -156,3 +156,83 @@ def test_short_checkpoint_writes_are_completed(monkeypatch, tmp_path):
     monkeypatch.setattr(sink_module.os, "pwrite", real)
     with h5py.File(tmp_path / "short.h5", "r") as f:
         np.testing.assert_array_equal(f["model/big"][()], BIG["model/big"])
+
+
+def _reader_for(path, entries):
+    """A CheckpointReader over one file written by _write_checkpoint_file, without an index."""
+    reader = storage.CheckpointReader.__new__(storage.CheckpointReader)
+    reader.directory, reader.stem, reader.verify_share = str(path.parent), "t", (0, 1)
+    reader.index = {"tensors": entries, "per_rank": [], "components": {}}
+    reader._ordinal = {key: i for i, key in enumerate(sorted(entries))}
+    reader._files = {}
+    return reader
+
+
+def test_reads_fill_given_arrays_in_place_piece_by_piece(monkeypatch, tmp_path):
+    monkeypatch.setattr(rawio, "PIECE", 64 << 10)
+    path = tmp_path / "read.h5"
+    entries = _write_checkpoint_file(path)
+    destinations = {key: np.zeros_like(array) for key, array in BIG.items()}
+    with _reader_for(path, entries) as reader:
+        got = reader.read_arrays(
+            [(key, entries[key], destinations[key], True) for key in BIG]
+            + [("model/weight", entries["model/weight"], np.zeros(3), True)]  # wrong shape: new
+        )
+    for key, array in BIG.items():
+        np.testing.assert_array_equal(got[key], array)
+    for key in BIG:
+        if key != "model/weight":
+            assert got[key] is destinations[key], key
+
+
+def test_a_corrupted_piece_and_a_truncated_file_are_named_errors(monkeypatch, tmp_path):
+    monkeypatch.setattr(rawio, "PIECE", 64 << 10)
+    path = tmp_path / "bad.h5"
+    entries = _write_checkpoint_file(path)
+    with h5py.File(path, "r") as f:
+        offset = f["model/big"].id.get_offset()
+    with open(path, "r+b") as raw:  # one byte in the third piece of model/big
+        raw.seek(offset + 2 * (64 << 10) + 5)
+        byte = raw.read(1)
+        raw.seek(offset + 2 * (64 << 10) + 5)
+        raw.write(bytes([byte[0] ^ 1]))
+    with _reader_for(path, entries) as reader:
+        with pytest.raises(storage.CheckpointError, match="checksum mismatch for 'model/big'"):
+            reader.read_array("model/big", entries["model/big"])
+        np.testing.assert_array_equal(  # unverified, the other tensors read fine
+            reader.read_array("model/weight", entries["model/weight"]), BIG["model/weight"]
+        )
+    with _reader_for(path, entries) as reader:
+        reader.read_array("model/weight", entries["model/weight"])  # the file is open now
+        os.truncate(path, offset + 100_000)  # and then shrinks under the reader
+        with pytest.raises(storage.CheckpointError, match=r"model/big.*truncated") as info:
+            reader.read_array("model/big", entries["model/big"])
+        assert str(path) in str(info.value)
+    with pytest.raises(storage.CheckpointError, match="cannot open checkpoint file"):
+        with _reader_for(path, entries) as reader:  # HDF5 itself sees it at open
+            reader.read_array("model/big", entries["model/big"])
+
+
+def test_a_destination_that_cannot_take_the_bytes_gets_a_new_array(tmp_path):
+    path = tmp_path / "dest.h5"
+    entries = _write_checkpoint_file(path)
+    weight = entries["model/weight"]
+    strided = np.zeros((200, 300), dtype=np.float32).T  # right shape, not C-contiguous
+    frozen = np.zeros((300, 200), dtype=np.float32)
+    frozen.flags.writeable = False
+    with _reader_for(path, entries) as reader:
+        for dest in (strided, frozen, np.zeros((300, 200), dtype=np.float64)):
+            got = reader.read_arrays([("model/weight", weight, dest, True)])["model/weight"]
+            assert got is not dest
+            np.testing.assert_array_equal(got, BIG["model/weight"])
+    assert not strided.any() and not frozen.any()
+
+
+def test_uninitialized_lazy_parameters_are_not_read_into():
+    import torch
+
+    lazy = torch.nn.LazyLinear(4)
+    entry = {"dtype": "float32", "shape": [4, 3]}
+    assert storage._writable_view(lazy.weight, entry) is None
+    assert storage._writable_view(torch.zeros(3, 4).t(), entry) is None  # not contiguous
+    assert storage._writable_view(torch.zeros(4, 3), entry) is not None

@@ -14,7 +14,7 @@ from typing import Any
 
 from .format import CheckpointError, flatten, parse_size, unflatten
 from .storage import CheckpointReader, write_checkpoint
-from .training_state import collect, restore
+from .training_state import apply, collect, read_back
 
 MODEL_STEM = "model"
 STATE_STEM = "state"
@@ -233,14 +233,11 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
     return directory
 
 
-def node_share(comm: Any) -> tuple[int, int]:
-    """(index, count) of this rank among the ranks of its node: they read the same files through
-    one page cache, so each verifies 1/count of the checksums (load_state then agrees)."""
-    hosts = list(getattr(comm, "hosts", ()) or ())
-    if len(hosts) != comm.size:
-        return 0, 1
-    mine = [r for r, host in enumerate(hosts) if host == hosts[comm.rank]]
-    return mine.index(comm.rank), len(mine)
+def node_share(accelerator: Any) -> tuple[int, int]:
+    """(index, count) of this rank among the ranks of its node (as discovery found them): they
+    read the same files through one page cache, so each verifies 1/count of the checksums."""
+    state = accelerator._partial
+    return state.local_process_index, state.process_info.local_num_processes
 
 
 def load_state(accelerator: Any, input_dir: str | None) -> str:
@@ -265,13 +262,27 @@ def load_state(accelerator: Any, input_dir: str | None) -> str:
             number, directory = latest
         else:
             directory, number = os.fspath(input_dir), None
-        with CheckpointReader(directory, STATE_STEM, node_share(comm)) as reader:
-            notes = restore(accelerator, reader, comm.rank)
-        if number is not None:
-            config.iteration = number + 1
+        reader = CheckpointReader(directory, STATE_STEM, node_share(accelerator))
     except Exception as exc:
         error = exc
-    comm.agree(error, f"loading checkpoint {directory or input_dir!r}")
+    what = f"loading checkpoint {directory or input_dir!r}"
+    comm.agree(error, what)
+    with reader:
+        # Everything is read and verified on every rank before anything else changes: a
+        # corrupted tensor (found by the one rank of a node that verifies it) stops every rank
+        # at the same point, with the same bytes in the tensors read in place.
+        try:
+            trees = read_back(accelerator, reader, comm.rank)
+        except Exception as exc:
+            error = exc
+        comm.agree(error, what)
+        try:
+            notes = apply(accelerator, trees, reader, comm.rank)
+            if number is not None:
+                config.iteration = number + 1
+        except Exception as exc:
+            error = exc
+        comm.agree(error, what)
     if notes and accelerator.is_main_process:
         for note in notes:
             warnings.warn(note, RuntimeWarning, stacklevel=3)

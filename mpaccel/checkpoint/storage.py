@@ -115,9 +115,9 @@ def _write_h5(path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, 
                 )
                 ds.attrs["torch_dtype"] = dtypes[key]
                 offset = ds.id.get_offset()
-                if offset is not None:
+                if offset is not None and ds.id.get_storage_size() == array.nbytes:
                     regions.append((key, offset, array))
-                elif array.size:  # no extent of its own (a 0-d array): HDF5 writes it
+                elif array.size:  # no extent of its own, or not the array's bytes: HDF5 writes
                     ds.write_direct(array)
         sink.check()
         written = rawio.write_arrays(sink.fd, partial, regions, checksum)
@@ -302,15 +302,11 @@ class CheckpointReader:
             )
         self._ordinal = {key: i for i, key in enumerate(sorted(self.index["tensors"]))}
         self._files: dict[str, h5py.File] = {}
-        self._fds: dict[str, int] = {}
 
     def close(self) -> None:
-        for f in self._files.values():
+        files, self._files = list(self._files.values()), {}
+        for f in files:
             f.close()
-        self._files.clear()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -329,7 +325,6 @@ class CheckpointReader:
         if name not in self._files:
             try:
                 self._files[name] = h5py.File(self._path(name), "r")
-                self._fds[name] = os.open(self._path(name), os.O_RDONLY)
             except (OSError, FileNotFoundError) as exc:
                 raise CheckpointError(
                     f"cannot open checkpoint file {self._path(name)!r}: {exc}"
@@ -363,14 +358,22 @@ class CheckpointReader:
                     raise CheckpointError(
                         f"{path!r}: {key!r} has shape {ds.shape}, index says {entry['shape']}"
                     )
-                if dest is None or dest.dtype != ds.dtype or dest.shape != ds.shape:
+                if (
+                    dest is None
+                    or dest.dtype != ds.dtype
+                    or dest.shape != ds.shape
+                    or not dest.flags.c_contiguous
+                    or not dest.flags.writeable
+                ):
                     dest = np.empty(ds.shape, dtype=ds.dtype)
                 plist = ds.id.get_create_plist()
                 offset = None
-                if (
+                if (  # the dataset is the array's bytes, in one piece of the file
                     plist.get_layout() == h5py.h5d.CONTIGUOUS
                     and plist.get_nfilters() == 0
                     and plist.get_external_count() == 0
+                    and not dest.dtype.hasobject
+                    and ds.id.get_storage_size() == dest.nbytes
                 ):
                     offset = ds.id.get_offset()
                 out[key] = dest
@@ -381,7 +384,7 @@ class CheckpointReader:
                     if check:
                         check(dest)
                 else:
-                    fd = self._fds[entry["file"]]
+                    fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
                     tasks.append(rawio.ReadTask(key, path, fd, offset, dest, check))
             except CheckpointError:
                 raise
@@ -486,19 +489,21 @@ class CheckpointReader:
 
 
 def _writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:
-    """A numpy view of `tensor`'s memory if the entry's bytes can be read straight into it."""
-    if (
-        not isinstance(tensor, torch.Tensor)
-        or tensor.device.type != "cpu"
-        or tensor.layout != torch.strided
-        or not tensor.is_contiguous()
-        or dtype_name(tensor.dtype) != entry["dtype"]
-        or list(tensor.shape) != entry["shape"]
-    ):
+    """A numpy view of `tensor`'s memory if the entry's bytes can be read straight into it
+    (None for anything else: GPU, sparse, non-contiguous or uninitialized lazy tensors...)."""
+    if not isinstance(tensor, torch.Tensor) or torch.nn.parameter.is_lazy(tensor):
         return None
     try:
+        if (
+            tensor.device.type != "cpu"
+            or tensor.layout != torch.strided
+            or not tensor.is_contiguous()
+            or dtype_name(tensor.dtype) != entry["dtype"]
+            or list(tensor.shape) != entry["shape"]
+        ):
+            return None
         view = to_numpy(tensor)
-    except (RuntimeError, TypeError):
+    except Exception:
         return None
     if not view.flags.writeable or view.ctypes.data != tensor.data_ptr():
         return None

@@ -120,9 +120,23 @@ def _load_into(name: str, target: Any, state: Any, directory: str) -> None:
         ) from exc
 
 
-def restore(accelerator: Any, reader: Any, rank: int) -> list[str]:
-    """Load everything back; returns warnings (e.g. RNG states skipped at another world size)."""
-    notes: list[str] = []
+def _optimizer_target(opt: Any, document: Any) -> Any:
+    """The optimizer's live state_dict to read into, if the checkpoint's param groups have the
+    same sizes (else None: torch then refuses the state before anything was overwritten)."""
+    live = opt.state_dict()
+    saved = document.get("param_groups") if isinstance(document, dict) else None
+    if not isinstance(saved, list) or [len(g.get("params", [])) for g in saved] != [
+        len(g["params"]) for g in live["param_groups"]
+    ]:
+        return None
+    return live
+
+
+def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
+    """Phase 1 of a load: read (and verify) every state tree this rank needs. Tensors of the
+    models and optimizers are filled in place where dtype and shape match. Reading goes on past
+    a failed check, so every rank ends with the same bytes in those tensors; the first error is
+    raised at the end, before anything else changed (see apply())."""
     directory = reader.directory
     expected = (
         [f"model_{i}" for i in range(len(accelerator._models))]
@@ -136,45 +150,71 @@ def restore(accelerator: Any, reader: Any, rank: int) -> list[str]:
             f"{directory!r} has no {missing} (it holds {reader.components()})",
             "prepare()/register_for_checkpointing() the same objects as when it was saved.",
         )
-    # Models and optimizers are read straight into their current tensors where dtype and shape
-    # match (no new memory, no second copy); load_state_dict then checks keys and shapes and
-    # takes the rest. A failed read leaves them partly overwritten, and every rank raises.
+    trees: dict[str, Any] = {}
+    first: list[CheckpointError] = []
+
+    def read(name: str, load: Any) -> None:
+        try:
+            trees[name] = load()
+        except CheckpointError as exc:
+            first.append(exc)
+
+    documents = reader.index["components"]
     for i, model in enumerate(accelerator._models):
-        module = accelerator.unwrap_model(model)
-        state = reader.component(f"model_{i}", into=module.state_dict())
-        _load_into(f"model_{i}", module, state, directory)
+        live = accelerator.unwrap_model(model).state_dict()
+        read(f"model_{i}", lambda c=f"model_{i}", live=live: reader.component(c, into=live))
     for i, opt in enumerate(accelerator._optimizers):
-        state = reader.component(f"optimizer_{i}", into=opt.state_dict())
-        _load_into(f"optimizer_{i}", opt, state, directory)
-    for i, sched in enumerate(accelerator._schedulers):
-        _load_into(f"scheduler_{i}", sched, reader.component(f"scheduler_{i}"), directory)
-    if accelerator.scaler is not None and "scaler" in reader.components():
-        accelerator.scaler.load_state_dict(reader.component("scaler"))
-    for i, obj in enumerate(accelerator._custom_objects):
-        _load_into(f"custom_{i}", obj, reader.component(f"custom_{i}"), directory)
-    accelerator.step = int(reader.component("accelerator")["step"])
+        live = _optimizer_target(opt, documents[f"optimizer_{i}"])
+        read(f"optimizer_{i}", lambda c=f"optimizer_{i}", live=live: reader.component(c, into=live))
+    names = [f"scheduler_{i}" for i in range(len(accelerator._schedulers))]
+    names += [f"custom_{i}" for i in range(len(accelerator._custom_objects))]
+    names += [c for c in ("scaler", "accelerator") if c in documents]
+    for name in names:
+        read(name, lambda c=name: reader.component(c))
     same_world = reader.world_size == accelerator.num_processes
     source = rank if same_world else 0
-    for i, shard in enumerate(accelerator._dataloaders):
-        part = reader.index["per_rank"][source]["components"]
-        if f"dataloader_{i}" in part:
-            restore_dataloader(shard, reader.rank_component(source, f"dataloader_{i}"), same_world)
+    per_rank = reader.index["per_rank"][source]["components"]
+    for name in per_rank:  # at another world size: rank 0's dataloader positions only
+        if same_world or name.startswith("dataloader_"):
+            read(f"rank:{name}", lambda c=name: reader.rank_component(source, c))
+    if first:
+        raise first[0]
+    return trees
+
+
+def apply(accelerator: Any, trees: dict[str, Any], reader: Any, rank: int) -> list[str]:
+    """Phase 2 of a load, once every rank read everything: hand the trees to the objects.
+    Returns warnings (e.g. RNG states skipped at another world size)."""
+    notes: list[str] = []
+    directory = reader.directory
     for i, model in enumerate(accelerator._models):
-        if f"gradients_{i}" not in reader.index["per_rank"][source]["components"]:
-            continue
-        if not same_world:
+        _load_into(f"model_{i}", accelerator.unwrap_model(model), trees[f"model_{i}"], directory)
+    for i, opt in enumerate(accelerator._optimizers):
+        _load_into(f"optimizer_{i}", opt, trees[f"optimizer_{i}"], directory)
+    for i, sched in enumerate(accelerator._schedulers):
+        _load_into(f"scheduler_{i}", sched, trees[f"scheduler_{i}"], directory)
+    if accelerator.scaler is not None and "scaler" in trees:
+        accelerator.scaler.load_state_dict(trees["scaler"])
+    for i, obj in enumerate(accelerator._custom_objects):
+        _load_into(f"custom_{i}", obj, trees[f"custom_{i}"], directory)
+    accelerator.step = int(trees["accelerator"]["step"])
+    same_world = reader.world_size == accelerator.num_processes
+    for i, shard in enumerate(accelerator._dataloaders):
+        if f"rank:dataloader_{i}" in trees:
+            restore_dataloader(shard, trees[f"rank:dataloader_{i}"], same_world)
+    if same_world:
+        for i, model in enumerate(accelerator._models):
+            grads = trees.get(f"rank:gradients_{i}", {})
+            for name, p in accelerator.unwrap_model(model).named_parameters():
+                if name in grads:
+                    p.grad = grads[name].to(p.device)
+        set_rng_state(trees[f"rank:{RNG}"])
+    else:
+        if any(k.startswith("gradients_") for k in reader.index["per_rank"][0]["components"]):
             notes.append(
                 f"{directory!r} was saved mid-accumulation; the partial gradients of "
                 "each process cannot be mapped to another world size and were dropped"
             )
-            continue
-        grads = reader.rank_component(rank, f"gradients_{i}")
-        for name, p in accelerator.unwrap_model(model).named_parameters():
-            if name in grads:
-                p.grad = grads[name].to(p.device)
-    if same_world:
-        set_rng_state(reader.rank_component(rank, RNG))
-    else:
         notes.append(
             f"checkpoint {directory!r} was written by {reader.world_size} processes and is "
             f"loaded by {accelerator.num_processes}: model, optimizer, scheduler and custom "
