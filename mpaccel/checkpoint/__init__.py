@@ -277,7 +277,7 @@ def load_state(accelerator: Any, input_dir: str | None) -> str:
             error = exc
         comm.agree(error, what)
         try:
-            notes = apply(accelerator, trees, reader, comm.rank)
+            notes = apply(accelerator, trees, reader)
             if number is not None:
                 config.iteration = number + 1
         except Exception as exc:

@@ -11,7 +11,7 @@ dataset) and mpaccel moves the bytes itself, with plain pwrite/preadv at the ext
 - Reads run in file order straight into their destination (an existing tensor when there is
   one: no fresh memory, no second copy), on as many threads as the process has cores (a
   WILLNEED prefetcher running ahead of them was measured and was slower). Checksums are computed
-  by the thread that completes a tensor, while other pieces are still in flight.
+  on a thread of their own as tensors complete, so the readers keep the disk busy.
 
 The files stay ordinary HDF5: h5py, h5ls and h5dump read them like any other.
 """
@@ -203,7 +203,7 @@ def read_arrays(
     threads: int | None = None,
 ) -> None:
     """Fill every task's (non-empty) array, pieces on `threads` threads in file order, and run
-    its check once it is complete. A failed read stops the others; a failed
+    its check on a thread of its own once it is complete. A failed read stops the others; a failed
     check does not (every array is filled with the file's bytes, whatever the checks find).
     The first failure, turned into an exception by `error(task, exc)`, is raised at the end."""
     threads = threads or io_threads()
@@ -222,13 +222,17 @@ def read_arrays(
             failed.keep(error(task, exc))
             return
         if task.piece_done() and task.check is not None:
-            try:
-                task.check(task.out)
-            except Exception as exc:
-                rejected.keep(error(task, exc))
+            verifier.submit(verify, task)  # the readers go on reading meanwhile
+
+    def verify(task: ReadTask) -> None:
+        try:
+            task.check(task.out)
+        except Exception as exc:
+            rejected.keep(error(task, exc))
 
     pieces = [(t, start, size) for t in ordered for start, size in _pieces(t.out.nbytes)]
-    with ThreadPoolExecutor(threads, thread_name_prefix="mpaccel-read") as pool:
-        _run_all(pool, get, pieces, failed)
+    with ThreadPoolExecutor(1, thread_name_prefix="mpaccel-verify") as verifier:
+        with ThreadPoolExecutor(threads, thread_name_prefix="mpaccel-read") as pool:
+            _run_all(pool, get, pieces, failed)
     failed.raise_if_any()
     rejected.raise_if_any()

@@ -350,6 +350,7 @@ class CheckpointReader:
         (0-d, or written by another tool with chunks or filters) through h5py."""
         out: dict[str, np.ndarray] = {}
         tasks: list[rawio.ReadTask] = []
+        rejected: list[CheckpointError] = []  # failed checks: raised once everything is read
         for key, entry, dest, verify in wanted:
             path = self._path(entry["file"])
             try:
@@ -381,8 +382,11 @@ class CheckpointReader:
                 if offset is None or dest.size == 0:
                     if dest.size:
                         ds.read_direct(dest)
-                    if check:
-                        check(dest)
+                    try:
+                        if check:
+                            check(dest)
+                    except CheckpointError as exc:
+                        rejected.append(exc)
                 else:
                     fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
                     tasks.append(rawio.ReadTask(key, path, fd, offset, dest, check))
@@ -397,6 +401,8 @@ class CheckpointReader:
             return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
 
         rawio.read_arrays(tasks, error)
+        if rejected:
+            raise rejected[0]
         return out
 
     def read_array(self, key: str, entry: Mapping[str, Any], verify: bool = True) -> np.ndarray:

@@ -182,7 +182,7 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
     return trees
 
 
-def apply(accelerator: Any, trees: dict[str, Any], reader: Any, rank: int) -> list[str]:
+def apply(accelerator: Any, trees: dict[str, Any], reader: Any) -> list[str]:
     """Phase 2 of a load, once every rank read everything: hand the trees to the objects.
     Returns warnings (e.g. RNG states skipped at another world size)."""
     notes: list[str] = []
