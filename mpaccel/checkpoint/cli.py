@@ -13,11 +13,8 @@ STEMS = ("state", "model")
 
 
 def _open(directory: str, stem: str | None) -> CheckpointReader:
-    stems = (
-        [stem]
-        if stem
-        else [s for s in STEMS if os.path.isfile(os.path.join(directory, f"{s}.index.json"))]
-    )
+    stems = [stem] if stem else [s for s in STEMS
+                                 if os.path.isfile(os.path.join(directory, f"{s}.index.json"))]
     if not stems:
         raise CheckpointError(
             f"{directory!r} holds no committed checkpoint (no state.index.json or "
@@ -39,45 +36,31 @@ def _size(nbytes: int) -> str:
 def run_ls(args: argparse.Namespace) -> int:
     with _open(args.directory, args.stem) as reader:
         index = reader.index
-        print(
-            f"{args.directory}: {reader.stem} checkpoint, format {index['format_version']}, "
-            f"written by {index['world_size']} process(es) at {index['created']}"
-        )
+        print(f"{args.directory}: {reader.stem} checkpoint, format {index['format_version']}, "
+              f"written by {index['world_size']} process(es) at {index['created']}")
         rows = [("tensor", "dtype", "shape", "size", "shard")]
         total = 0
         for key, entry in sorted(index["tensors"].items()):
-            rows.append(
-                (
-                    key,
-                    entry["dtype"],
-                    "x".join(map(str, entry["shape"])) or "scalar",
-                    _size(entry["nbytes"]),
-                    entry["file"],
-                )
-            )
+            rows.append((key, entry["dtype"], "x".join(map(str, entry["shape"])) or "scalar",
+                         _size(entry["nbytes"]), entry["file"]))
             total += entry["nbytes"]
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-        print(
-            f"{len(rows) - 1} tensors, {_size(total)} in {len(index['shards'])} shard(s)"
-            + (f", {len(index['per_rank'])} per-rank file(s)" if index["per_rank"] else "")
-        )
+        print(f"{len(rows) - 1} tensors, {_size(total)} in {len(index['shards'])} shard(s)"
+              + (f", {len(index['per_rank'])} per-rank file(s)" if index["per_rank"] else ""))
     return 0
 
 
 def run_verify(args: argparse.Namespace) -> int:
     with _open(args.directory, args.stem) as reader:
         problems = reader.verify()
-        count = len(reader.index["tensors"]) + sum(
-            len(p["tensors"]) for p in reader.index["per_rank"]
-        )
+        count = len(reader.index["tensors"]) + sum(len(p["tensors"])
+                                                   for p in reader.index["per_rank"])
     for problem in problems:
         print(problem, file=sys.stderr)
-    print(
-        f"{args.directory}: {count - len(problems)} of {count} tensors verified"
-        + ("" if not problems else f", {len(problems)} FAILED")
-    )
+    print(f"{args.directory}: {count - len(problems)} of {count} tensors verified"
+          + ("" if not problems else f", {len(problems)} FAILED"))
     return 1 if problems else 0
 
 

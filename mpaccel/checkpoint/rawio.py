@@ -5,11 +5,11 @@ dataset) and mpaccel moves the bytes itself, with plain pwrite/preadv at the ext
 
 - Writes run on a few threads in 64 MiB pieces, and after each piece the kernel is told to start
   writing it back (sync_file_range WRITE on Linux). The disk is busy while the next piece is
-  copied into the page cache, so the final fsync waits for the tail only. Measured here on 1.5
-  GiB: 2.1 GiB/s write+fsync, against 1.2 through HDF5's own writes, 1.2-1.5 for safetensors and
-  1.3 for dd conv=fdatasync (docs/benchmarks.md).
+  copied into the page cache, so the final fsync waits for the tail only. On this machine's
+  disk that beats dd conv=fdatasync itself (which writes, then waits), and the earlier
+  write-through-HDF5-then-fsync by 1.4x (figures in docs/benchmarks.md).
 - Reads run in file order straight into their destination (an existing tensor when there is
-  one: no fresh memory, no second copy), on as many threads as the process has cores (a
+  one: no fresh memory, no second copy), on the process's share of the node's cores (a
   WILLNEED prefetcher running ahead of them was measured and was slower). Checksums are computed
   on a thread of their own as tensors complete, so the readers keep the disk busy.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,11 +52,20 @@ def io_threads() -> int:
 
 
 def _writeback_starter() -> Callable[[int, int, int], None]:
-    """sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) where the C library has it
-    (Linux), else a no-op. Asynchronous; errors surface in the final fsync."""
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
+    """sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) from the C library on Linux,
+    else a no-op. Asynchronous; errors surface in the final fsync.
+
+    libc is opened by name, on first use: ctypes.CDLL(None) (the whole process's symbols) at
+    import time broke MPI_Init under srun --mpi=pmi2 with UCX (shared-memory error, then hang)."""
+    function = None
+    if sys.platform.startswith("linux"):
+        for name in ("libc.so.6", "libc.so"):
+            try:
+                function = ctypes.CDLL(name, use_errno=True).sync_file_range
+                break
+            except (OSError, AttributeError):
+                continue
+    if function is None:
         return lambda fd, offset, nbytes: None
     function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     function.restype = ctypes.c_int
@@ -67,7 +77,13 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
     return start
 
 
-start_writeback = _writeback_starter()
+_starter: list[Callable[[int, int, int], None]] = []
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    if not _starter:
+        _starter.append(_writeback_starter())
+    _starter[0](fd, offset, nbytes)
 
 
 def byte_view(array: np.ndarray) -> memoryview:

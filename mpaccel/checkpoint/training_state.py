@@ -99,8 +99,7 @@ def collect(accelerator: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         # DDP's no_sync, differ from rank to rank).
         for i, model in enumerate(accelerator._models):
             per_rank[f"gradients_{i}"] = {
-                name: p.grad
-                for name, p in accelerator.unwrap_model(model).named_parameters()
+                name: p.grad for name, p in accelerator.unwrap_model(model).named_parameters()
                 if p.grad is not None
             }
     return shared, per_rank
