@@ -7,7 +7,6 @@ rank and size. No MASTER_ADDR, no torchrun.
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import ipaddress
 import socket
@@ -131,7 +130,6 @@ def init_process_group(
     if init_method is not None:
         kwargs["init_method"] = init_method
         dist.init_process_group(**kwargs)
-        _destroy_at_exit()
         return chosen
     store_timeout = timeout or timedelta(minutes=30)
     error: BaseException | None = None
@@ -163,29 +161,7 @@ def init_process_group(
         )
         error.__cause__ = exc
     comm.agree(error, "torch.distributed rendezvous")
-    _destroy_at_exit()
     return chosen
-
-
-_EXIT_HOOK: list[bool] = []
-
-
-def _destroy_at_exit() -> None:
-    """Destroy the default group when the interpreter exits, before mpi4py finalizes MPI
-    (atexit runs last-registered first). Left to C++ static destructors, gloo's worker threads
-    were sometimes still joinable at exit: "terminate called without an active exception", an
-    aborted rank, and a Slurm job stuck in COMPLETING."""
-    if _EXIT_HOOK:
-        return
-    _EXIT_HOOK.append(True)
-
-    def destroy() -> None:
-        try:
-            destroy_process_group()
-        except Exception:  # exiting anyway; never turn a clean exit into a traceback
-            pass
-
-    atexit.register(destroy)
 
 
 def destroy_process_group(group: Any = None) -> None:
