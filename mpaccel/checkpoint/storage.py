@@ -120,8 +120,8 @@ def _write_h5(path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, 
                 elif array.size:  # no extent of its own, or not the array's bytes: HDF5 writes
                     ds.write_direct(array)
         sink.check()
+        # fsyncs the whole file: HDF5's metadata and the data
         written = rawio.write_arrays(sink.fd, partial, regions, checksum)
-        sink.finish()
     finally:
         sink.close()
     os.replace(partial, path)

@@ -137,11 +137,12 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
     a failed check, so every rank ends with the same bytes in those tensors; the first error is
     raised at the end, before anything else changed (see apply())."""
     directory = reader.directory
+    others = [f"scheduler_{i}" for i in range(len(accelerator._schedulers))]
+    others += [f"custom_{i}" for i in range(len(accelerator._custom_objects))]
     expected = (
         [f"model_{i}" for i in range(len(accelerator._models))]
         + [f"optimizer_{i}" for i in range(len(accelerator._optimizers))]
-        + [f"scheduler_{i}" for i in range(len(accelerator._schedulers))]
-        + [f"custom_{i}" for i in range(len(accelerator._custom_objects))]
+        + others
     )
     missing = [c for c in expected if c not in reader.components()]
     if missing:
@@ -165,10 +166,7 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
     for i, opt in enumerate(accelerator._optimizers):
         live = _optimizer_target(opt, documents[f"optimizer_{i}"])
         read(f"optimizer_{i}", lambda c=f"optimizer_{i}", live=live: reader.component(c, into=live))
-    names = [f"scheduler_{i}" for i in range(len(accelerator._schedulers))]
-    names += [f"custom_{i}" for i in range(len(accelerator._custom_objects))]
-    names += [c for c in ("scaler", "accelerator") if c in documents]
-    for name in names:
+    for name in others + [c for c in ("scaler", "accelerator") if c in documents]:
         read(name, lambda c=name: reader.component(c))
     same_world = reader.world_size == accelerator.num_processes
     source = rank if same_world else 0

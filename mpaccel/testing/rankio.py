@@ -39,6 +39,9 @@ def main(argv: list[str]) -> None:
     except SystemExit as exc:
         code = exc.code
         raise
+    except BaseException:
+        code = 1  # an uncaught exception exits 1
+        raise
     finally:
         if code is None:
             code = 0
