@@ -11,6 +11,8 @@ import fcntl
 import ipaddress
 import socket
 import struct
+import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -177,22 +179,71 @@ def destroy_process_group(group: Any = None) -> None:
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
+def _use_count(tensor: torch.Tensor) -> int:
+    count = getattr(tensor, "_use_count", None)  # private; present in the torch versions we allow
+    return count() if count is not None else 0
+
+
+def _references(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """(C++ use count, Python reference count) of each tensor."""
+    return [(_use_count(t), sys.getrefcount(t)) for t in tensors]
+
+
+def _let_go(tensors: list[torch.Tensor], before: list[tuple[int, int]]) -> None:
+    """Return once the backend's worker threads have let go of `tensors`.
+
+    gloo completes a collective on a worker thread and drops the work (and its references to the
+    tensors) a moment after the caller has been released. While C++ holds a tensor, the tensor
+    holds its Python object, so the worker's last drop releases a Python reference and needs the
+    GIL. Once the interpreter is finalizing (a script that ends right after a collective), Python
+    ends such a thread with pthread_exit, the unwind meets C++ code, and the process aborts after
+    a clean exit: "terminate called without an active exception". So a collective on CPU returns
+    only when both counts are back to what they were before it. CUDA tensors are not waited for:
+    NCCL's work ends on the GPU, and destroy_process_group() (end_training) joins its watchdog.
+    """
+    if all(t.device.type != "cpu" for t in tensors):
+        return
+    deadline = None
+    spins = 0
+    # Counted exactly as `before` was (same list, same function), so the counts compare.
+    while any(u > u0 or r > r0 for (u, r), (u0, r0) in zip(_references(tensors), before)):
+        spins += 1
+        if spins < 100:
+            time.sleep(0)  # the worker needs the GIL and a few instructions
+            continue
+        now = time.monotonic()
+        deadline = deadline or now + 5.0
+        if now > deadline:
+            return  # someone else holds a tensor too: nothing more to wait for
+        time.sleep(1e-4)
+
+
 def all_gather(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     """Collective over the default group: every rank's `tensor` (same shape on every rank)."""
     out = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(out, tensor.contiguous())
+    send = tensor.contiguous()
+    held = [send, *out]
+    before = _references(held)
+    dist.all_gather(out, send)
+    _let_go(held, before)
     return out
 
 
 def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
     """Collective over the default group, in place: 'sum', 'max' or 'min'."""
+    held = [tensor]
+    before = _references(held)
     dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
+    _let_go(held, before)
     return tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> torch.Tensor:
     """Collective over the default group, in place: rank `src`'s tensor everywhere."""
+    held = [tensor]
+    before = _references(held)
     dist.broadcast(tensor, src=src)
+    _let_go(held, before)
     return tensor
 
 
