@@ -61,15 +61,28 @@ def _job(env, job_id) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", text))
 
 
-def _wait(env, job_id, timeout=240, until=TERMINAL) -> dict[str, str]:
+def _wait(env, job_id, timeout=240, until=TERMINAL, output=None) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = _job(env, job_id)
         if info.get("JobState") in until:
             return info
         time.sleep(0.5)
+    state = _job(env, job_id).get("JobState")
     _run(env, "scancel", job_id)
-    pytest.fail(f"job {job_id} still {_job(env, job_id).get('JobState')} after {timeout} s")
+    pytest.fail(f"job {job_id} still {state} after {timeout} s\n{_evidence(env, job_id, output)}")
+
+
+def _evidence(env, job_id, output) -> str:
+    """The job's output and what the Slurm daemons logged about it (the cluster is restarted,
+    and its logs truncated, by the next test session)."""
+    base = job_id.split("_")[0]
+    parts = [] if output is None else [f"--- job output ---\n{_output(output, job_id)}"]
+    log_dir = pathlib.Path(env.get("MPACCEL_SLURM_DIR", "/nonexistent")) / "log"
+    for log in sorted(log_dir.glob("*.log")):
+        lines = [line for line in log.read_text(errors="replace").splitlines() if base in line]
+        parts.append(f"--- {log.name} (lines naming {base}) ---\n" + "\n".join(lines[-30:]))
+    return "\n".join(parts)
 
 
 def _output(tmp_path, job_id) -> str:
@@ -107,7 +120,7 @@ def test_procid_expanded_by_the_batch_shell(slurm_env, tmp_path):
     result = _run(slurm_env, "sbatch", "--parsable", "-n", "2",
                   f"--output={tmp_path}/%x-%j.out", str(script))
     job = result.stdout.strip()
-    info = _wait(slurm_env, job)
+    info = _wait(slurm_env, job, output=tmp_path)
     assert info["JobState"] == "FAILED"
     text = _output(tmp_path, job)
     assert "SLURM_PROCID repeats" in text and "single quotes" in text
@@ -119,7 +132,7 @@ def test_procid_expanded_by_the_batch_shell(slurm_env, tmp_path):
 ])
 def test_templates_run_the_example(slurm_env, tmp_path, template, expect):
     job = _submit(slurm_env, tmp_path, template, "--epochs", "2", "--train-samples", "2000")
-    info = _wait(slurm_env, job)
+    info = _wait(slurm_env, job, output=tmp_path)
     text = _output(tmp_path, job)
     assert info["JobState"] == "COMPLETED", text
     assert expect in text and "final parameter digest" in text
@@ -130,7 +143,7 @@ def test_array_sweep(slurm_env, tmp_path):
                   "1000", options=["--array=0-1", f"--output={tmp_path}/%x-%A_%a.out",
                                    f"--export=ALL,SWEEP_DIR={tmp_path}/sweep"])
     for task in ("0", "1"):
-        info = _wait(slurm_env, f"{job}_{task}")
+        info = _wait(slurm_env, f"{job}_{task}", output=tmp_path)
         assert info["JobState"] == "COMPLETED"
     outputs = [p.read_text() for p in sorted(tmp_path.glob(f"*-{job}_*.out"))]
     assert len(outputs) == 2 and all("final parameter digest" in o for o in outputs)
@@ -156,8 +169,8 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(slurm_env, tmp_path
         time.sleep(0.2)
     signalled = _run(slurm_env, "scancel", "--signal=USR1", job)
     assert signalled.returncode == 0, signalled.stderr
-    info = _wait(slurm_env, job, timeout=300, until={"COMPLETED", "FAILED", "CANCELLED",
-                                                     "TIMEOUT", "NODE_FAIL"})
+    info = _wait(slurm_env, job, timeout=300, output=tmp_path,
+                 until={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
     text = _output(tmp_path, job)
     assert info["JobState"] == "COMPLETED", text
     assert int(info.get("Restarts", "0")) == 1, text
