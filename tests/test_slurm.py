@@ -39,7 +39,12 @@ def slurm_env():
     extra = dict(re.findall(r"export (\w+)=['\"]?([^'\"\n]*)['\"]?", exports))
     # Jobs inherit this environment: the same Python (with mpaccel, mpi4py and MPICH) as the tests.
     extra["PATH"] = f"{pathlib.Path(sys.executable).parent}:{_env.child_environment()['PATH']}"
-    yield _env.child_environment(extra)
+    env = _env.child_environment(extra)
+    # Jobs need not know which test set the cluster up; and the environment's size alone can
+    # trip an MPICH/Slurm pmi2 bug in MPI_Init (docs/slurm.md): this variable's ~70 characters
+    # did, every time, on the machine that found it.
+    env.pop("PYTEST_CURRENT_TEST", None)
+    yield env
     subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=120)
 
 
