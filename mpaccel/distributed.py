@@ -13,6 +13,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -189,24 +190,27 @@ def _references(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     return [(_use_count(t), sys.getrefcount(t)) for t in tensors]
 
 
-def _let_go(tensors: list[torch.Tensor], before: list[tuple[int, int]]) -> None:
-    """Return once the backend's worker threads have let go of `tensors`.
+def _settled(held: list[torch.Tensor], collective: Callable[[], Any]) -> None:
+    """Run `collective` on the tensors `held` and return once the backend has let go of them.
 
     gloo completes a collective on a worker thread and drops the work (and its references to the
     tensors) a moment after the caller has been released. While C++ holds a tensor, the tensor
     holds its Python object, so the worker's last drop releases a Python reference and needs the
     GIL. Once the interpreter is finalizing (a script that ends right after a collective), Python
     ends such a thread with pthread_exit, the unwind meets C++ code, and the process aborts after
-    a clean exit: "terminate called without an active exception". So a collective on CPU returns
-    only when both counts are back to what they were before it. CUDA tensors are not waited for:
-    NCCL's work ends on the GPU, and destroy_process_group() (end_training) joins its watchdog.
+    a clean exit: "terminate called without an active exception". So on CPU this waits until
+    both counts are back to what they were before. CUDA tensors are not waited for: NCCL's work
+    ends on the GPU, and destroy_process_group() (end_training) joins its watchdog.
     """
-    if all(t.device.type != "cpu" for t in tensors):
+    if held[0].device.type != "cpu":
+        collective()
         return
+    before = _references(held)
+    collective()
     deadline = None
     spins = 0
     # Counted exactly as `before` was (same list, same function), so the counts compare.
-    while any(u > u0 or r > r0 for (u, r), (u0, r0) in zip(_references(tensors), before)):
+    while any(u > u0 or r > r0 for (u, r), (u0, r0) in zip(_references(held), before)):
         spins += 1
         if spins < 100:
             time.sleep(0)  # the worker needs the GIL and a few instructions
@@ -222,28 +226,20 @@ def all_gather(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     """Collective over the default group: every rank's `tensor` (same shape on every rank)."""
     out = [torch.empty_like(tensor) for _ in range(world_size)]
     send = tensor.contiguous()
-    held = [send, *out]
-    before = _references(held)
-    dist.all_gather(out, send)
-    _let_go(held, before)
+    _settled([send, *out], lambda: dist.all_gather(out, send))
     return out
 
 
 def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
     """Collective over the default group, in place: 'sum', 'max' or 'min'."""
-    held = [tensor]
-    before = _references(held)
-    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
-    _let_go(held, before)
+    reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
+    _settled([tensor], lambda: dist.all_reduce(tensor, op=reduce_op))
     return tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> torch.Tensor:
     """Collective over the default group, in place: rank `src`'s tensor everywhere."""
-    held = [tensor]
-    before = _references(held)
-    dist.broadcast(tensor, src=src)
-    _let_go(held, before)
+    _settled([tensor], lambda: dist.broadcast(tensor, src=src))
     return tensor
 
 

@@ -19,6 +19,7 @@ The files stay ordinary HDF5: h5py, h5ls and h5dump read them like any other.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -51,6 +52,7 @@ def io_threads() -> int:
     return threads
 
 
+@functools.cache
 def _writeback_starter() -> Callable[[int, int, int], None]:
     """sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) from the C library on Linux,
     else a no-op. Asynchronous; errors surface in the final fsync.
@@ -77,13 +79,8 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
     return start
 
 
-_starter: list[Callable[[int, int, int], None]] = []
-
-
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    if not _starter:
-        _starter.append(_writeback_starter())
-    _starter[0](fd, offset, nbytes)
+    _writeback_starter()(fd, offset, nbytes)
 
 
 def byte_view(array: np.ndarray) -> memoryview:
