@@ -125,6 +125,8 @@ def build_ops(args: argparse.Namespace) -> tuple[list[Op], list[str]]:
         ops += [
             Op("gloo barrier", lambda it: dist.barrier()),
             Op("gloo all_reduce(1 elem)", lambda it: dist.all_reduce(flag, op=dist.ReduceOp.MAX)),
+            # the same through mpaccel: a copy, then gloo, then the wait for gloo to let go
+            Op("mpaccel reduce(1 elem)", lambda it: acc.reduce(flag, "max")),
         ]
         notes.append(f"gloo: {dist.get_backend()} default group from mpaccel")
     else:
@@ -183,6 +185,8 @@ RATIOS = [
      "MPI allreduce(int, MAX)", "<=", 1.5),
     ("gloo all_reduce / mpaccel check_trigger", "gloo all_reduce(1 elem)",
      "mpaccel check_trigger", ">=", 10.0),
+    ("mpaccel reduce / gloo all_reduce", "mpaccel reduce(1 elem)", "gloo all_reduce(1 elem)",
+     None, None),
     ("accelerate wait_for_everyone / mpaccel", "accelerate wait_for_everyone",
      "mpaccel wait_for_everyone", None, None),
     ("accelerate check_trigger / mpaccel", "accelerate check_trigger",
