@@ -168,6 +168,49 @@ def test_load_fills_the_live_tensors_in_place(mpi_tmp_path, comm):
         assert value.dtype == torch.float64 and torch.equal(value, saved[key].double()), key
 
 
+def test_a_cold_load_reads_behind_the_first_rank_of_the_node(mpi_tmp_path, comm, monkeypatch):
+    """With the files out of the page cache, the node's other ranks copy behind its first one
+    (rawio.preadv_following) and every rank still ends up with every byte."""
+    from mpaccel.checkpoint import rawio
+
+    monkeypatch.setattr(rawio, "PIECE", 64 << 10)  # many pieces per tensor
+    reset_state()
+    acc = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(4, 256)).square().mean())
+    opt.step()
+    target = mpi_tmp_path / "cold"
+    acc.save_state(target)
+    module = acc.unwrap_model(model)
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    saved_opt = [v.clone() for st in opt.state_dict()["state"].values() for v in st.values()]
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    for st in opt.state_dict()["state"].values():
+        for v in st.values():
+            v.fill_(7)
+    if acc.is_local_main_process:  # one page cache per node
+        for path in glob.glob(os.path.join(target, "*.h5")):
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    acc.wait_for_everyone()
+    following = []
+    real = rawio.preadv_following
+    monkeypatch.setattr(rawio, "preadv_following", lambda *a: following.append(1) or real(*a))
+    acc.load_state(target)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    now = [v for st in opt.state_dict()["state"].values() for v in st.values()]
+    assert all(torch.equal(a, b) for a, b in zip(now, saved_opt, strict=True))
+    assert bool(following) == (acc.local_process_index > 0), acc.local_process_index
+
+
 def test_datasets_another_tool_rewrote_chunked_and_compressed_still_load(mpi_tmp_path, comm):
     acc, model, *_ = _setup()
     target = mpi_tmp_path / "rewritten"

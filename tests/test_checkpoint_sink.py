@@ -129,7 +129,7 @@ def test_short_writes_are_completed(monkeypatch, tmp_path, writer):
 def _reader_for(path, entries):
     """A CheckpointReader over one file written by _write_checkpoint_file, without an index."""
     reader = storage.CheckpointReader.__new__(storage.CheckpointReader)
-    reader.directory, reader.stem, reader.verify_share = str(path.parent), "t", (0, 1)
+    reader.directory, reader.stem, reader.node_share = str(path.parent), "t", (0, 1)
     reader.index = {"tensors": entries, "per_rank": [], "components": {}}
     reader._ordinal = {key: i for i, key in enumerate(sorted(entries))}
     reader._files = {}
@@ -204,3 +204,128 @@ def test_uninitialized_lazy_parameters_are_not_read_into():
     assert storage._writable_view(lazy.weight, entry) is None
     assert storage._writable_view(torch.zeros(3, 4).t(), entry) is None  # not contiguous
     assert storage._writable_view(torch.zeros(4, 3), entry) is not None
+
+
+# -- reading behind another reader (the non-first ranks of a node in a collective load) ---------
+
+needs_nowait = pytest.mark.skipif(
+    not hasattr(os, "RWF_NOWAIT"), reason="preadv2 with RWF_NOWAIT is Linux-only"
+)
+
+
+@pytest.fixture
+def cold_file(tmp_path):
+    """32 MiB of random bytes, fsynced and dropped from the page cache; (path, bytes)."""
+    data = np.random.default_rng(5).integers(0, 256, 32 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "cold.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if hasattr(os, "RWF_NOWAIT"):
+            try:  # the last page: is it really out of the page cache?
+                os.preadv(fd, [bytearray(4096)], len(data) - 4096, os.RWF_NOWAIT)
+                pytest.skip("this file system keeps the file in memory (POSIX_FADV_DONTNEED)")
+            except BlockingIOError:
+                pass
+    finally:
+        os.close(fd)
+    return path, data
+
+
+class _Sleeps:
+    def __init__(self):
+        self.count = 0
+
+    def sleep(self, seconds):
+        self.count += 1
+        threading.Event().wait(seconds)
+
+
+@needs_nowait
+def test_a_following_read_copies_from_the_page_cache_and_sleeps_instead_of_reading(
+    monkeypatch, cold_file
+):
+    path, data = cold_file
+    monkeypatch.setattr(rawio, "FOLLOW_PATIENCE", 60.0)  # never give up on the leader here
+    sleeps = _Sleeps()
+    monkeypatch.setattr(rawio, "time", sleeps)
+    blocking = []
+    real = rawio.preadv_all
+    monkeypatch.setattr(
+        rawio, "preadv_all", lambda fd, view, off: blocking.append(len(view)) or real(fd, view, off)
+    )
+    out = bytearray(len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = []
+        follower = threading.Thread(
+            target=lambda: got.append(rawio.preadv_following(fd, memoryview(out), 0))
+        )
+        follower.start()
+        with open(path, "rb", buffering=0) as leader:  # the node's first rank, reading the disk
+            while leader.read(1 << 20):
+                pass
+        follower.join(30)
+        assert not follower.is_alive()
+    finally:
+        os.close(fd)
+    assert got == [len(data)] and out == data
+    assert sleeps.count > 0, "the file was cold: the follower must have caught up and slept"
+    assert not any(blocking), f"the follower read from the disk itself: {blocking}"
+
+
+@needs_nowait
+def test_a_following_read_with_nobody_ahead_reads_the_disk_after_its_patience(
+    monkeypatch, cold_file
+):
+    path, data = cold_file
+    monkeypatch.setattr(rawio, "FOLLOW_PATIENCE", 0.02)
+    real = os.preadv
+    attempts = []
+
+    def never_cached(fd, buffers, offset, flags=0):
+        if flags & os.RWF_NOWAIT:
+            attempts.append(offset)
+            raise BlockingIOError(errno.EAGAIN, "would block")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", never_cached)
+    out = bytearray(len(data) + 100)  # longer than the file: the count says where it ended
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert rawio.preadv_following(fd, memoryview(out), 0) == len(data)
+    finally:
+        os.close(fd)
+    assert out[: len(data)] == data
+    assert len(attempts) >= 2 and set(attempts) == {0}
+
+
+@needs_nowait
+def test_where_buffered_nowait_reads_are_refused_following_reads_are_plain_reads(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setattr(rawio, "_nowait_reads", True)
+    real = os.preadv
+    refused = []
+
+    def old_kernel(fd, buffers, offset, flags=0):
+        if flags & os.RWF_NOWAIT:
+            refused.append(offset)
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", old_kernel)
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 1000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset in (0, 1000):
+            out = bytearray(50_000)
+            assert rawio.preadv_following(fd, memoryview(out), offset) == 50_000
+            assert out == path.read_bytes()[offset : offset + 50_000]
+    finally:
+        os.close(fd)
+    assert refused == [0], "tried once, then never again"
+    assert rawio._nowait_reads is False

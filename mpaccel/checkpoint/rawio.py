@@ -11,7 +11,9 @@ dataset) and mpaccel moves the bytes itself, with plain pwrite/preadv at the ext
 - Reads run in file order straight into their destination (an existing tensor when there is
   one: no fresh memory, no second copy), on the process's share of the node's cores (a
   WILLNEED prefetcher running ahead of them was measured and was slower). Checksums are computed
-  on a thread of their own as tensors complete, so the readers keep the disk busy.
+  on a thread of their own as tensors complete, so the readers keep the disk busy. When the
+  ranks of a node all read the same bytes (a collective load), only the first waits on the
+  disk; the others copy from the page cache behind it (preadv_following).
 
 The files stay ordinary HDF5: h5py, h5ls and h5dump read them like any other.
 """
@@ -19,10 +21,12 @@ The files stay ordinary HDF5: h5py, h5ls and h5dump read them like any other.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,6 +39,8 @@ from ..errors import ConfigurationError
 
 PIECE = 64 << 20  # bytes per pwrite/preadv call and per writeback request
 WRITEBACK_MIN = 1 << 20  # smaller pieces are left to the kernel's own writeback (merged)
+FOLLOW_POLL = 0.002  # seconds a following reader sleeps once it has caught up with the cache
+FOLLOW_PATIENCE = 0.05  # ... and after this long without progress it reads from the disk itself
 
 
 def io_threads() -> int:
@@ -103,6 +109,46 @@ def preadv_all(fd: int, view: memoryview, offset: int) -> int:
             break
         done += count
     return done
+
+
+_nowait_reads = hasattr(os, "RWF_NOWAIT")  # cleared once the kernel refuses buffered NOWAIT
+
+
+def preadv_following(fd: int, view: memoryview, offset: int) -> int:
+    """preadv_all for a process that trails another one reading the same bytes of the same file
+    on this node (the node's first rank, during a collective load): copy only what is already in
+    the page cache (preadv2 with RWF_NOWAIT), and sleep when caught up, rather than wait on the
+    disk. One process then drives the disk, the others copy behind it and sleep, rather than all
+    of them queuing on the same pages and waking at once to copy them (figures in
+    docs/benchmarks.md).
+
+    After FOLLOW_PATIENCE without progress (nobody else is reading these bytes) it reads the rest
+    of `view` with a blocking read. Where buffered RWF_NOWAIT reads are not supported (not Linux,
+    old kernels, some file systems) it is preadv_all."""
+    global _nowait_reads
+    done = 0
+    waited = 0.0
+    while done < len(view) and _nowait_reads:
+        try:
+            count = os.preadv(fd, [view[done:]], offset + done, os.RWF_NOWAIT)
+        except BlockingIOError:
+            count = -1
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            _nowait_reads = False
+            break
+        if count == 0:
+            return done  # end of file
+        if count > 0:
+            done += count
+            waited = 0.0
+        elif waited >= FOLLOW_PATIENCE:
+            break
+        else:
+            time.sleep(FOLLOW_POLL)
+            waited += FOLLOW_POLL
+    return done + preadv_all(fd, view[done:], offset + done)
 
 
 def _pieces(nbytes: int) -> list[tuple[int, int]]:
@@ -214,12 +260,15 @@ def read_arrays(
     tasks: Sequence[ReadTask],
     error: Callable[[ReadTask, BaseException], BaseException],
     threads: int | None = None,
+    follow: bool = False,
 ) -> None:
     """Fill every task's (non-empty) array, pieces on `threads` threads in file order, and run
     its check on a thread of its own once it is complete. A failed read stops the others; a failed
     check does not (every array is filled with the file's bytes, whatever the checks find).
-    The first failure, turned into an exception by `error(task, exc)`, is raised at the end."""
+    The first failure, turned into an exception by `error(task, exc)`, is raised at the end.
+    `follow`: another process of this node is reading the same bytes now (preadv_following)."""
     threads = threads or io_threads()
+    read = preadv_following if follow else preadv_all
     failed, rejected = _FirstError(), _FirstError()
     ordered = sorted(tasks, key=lambda t: (t.path, t.offset))
 
@@ -229,7 +278,7 @@ def read_arrays(
             return
         try:
             view = byte_view(task.out)[start : start + size]
-            if preadv_all(task.fd, view, task.offset + start) < size:
+            if read(task.fd, view, task.offset + start) < size:
                 raise OSError(f"the file ends before the data of {task.key!r} (truncated)")
         except Exception as exc:
             failed.keep(error(task, exc))

@@ -18,7 +18,7 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import h5py
@@ -269,16 +269,18 @@ def commit_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
 class CheckpointReader:
     """Read a committed checkpoint. Not collective; every read is checked against the index.
 
-    `verify_share=(i, n)`: verify the checksums of every n-th shared tensor only, starting at the
-    i-th (in sorted key order). For n processes of one node reading the same files (one page
-    cache, so the same bytes): together they verify each tensor once; the caller must make any
-    failure everyone's (load_state ends in a collective agreement). Per-rank files are always
-    verified in full."""
+    `node_share=(i, n)`: this process is the i-th of n on its node that read the same shared
+    components at the same time (a collective load; one page cache, so the same bytes). It
+    verifies the checksums of every n-th shared tensor only, starting at the i-th (in sorted key
+    order), so together they verify each tensor once: the caller must make any failure
+    everyone's (load_state ends in a collective agreement). And unless it is the first, it reads
+    behind the first rather than from the disk (rawio.preadv_following). Per-rank files are
+    always read by their own rank and verified in full."""
 
-    def __init__(self, directory: str, stem: str, verify_share: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, directory: str, stem: str, node_share: tuple[int, int] = (0, 1)) -> None:
         self.directory = directory
         self.stem = stem
-        self.verify_share = verify_share
+        self.node_share = node_share
         path = os.path.join(directory, f"{stem}.index.json")
         if not os.path.isdir(directory):
             raise CheckpointError(f"no checkpoint at {directory!r}: the directory does not exist")
@@ -342,12 +344,14 @@ class CheckpointReader:
     def read_arrays(
         self,
         wanted: list[tuple[str, Mapping[str, Any], np.ndarray | None, bool]],
+        follow: bool = False,
     ) -> dict[str, np.ndarray]:
         """Read (key, index entry, destination or None, verify) items, on several threads.
 
         A destination of the right dtype and shape is filled in place (and returned); otherwise a
         new array is. Contiguous datasets are read by rawio at their file offsets, others
-        (0-d, or written by another tool with chunks or filters) through h5py."""
+        (0-d, or written by another tool with chunks or filters) through h5py. `follow`: another
+        process of this node reads the same items now (see rawio.read_arrays)."""
         out: dict[str, np.ndarray] = {}
         tasks: list[rawio.ReadTask] = []
         rejected: list[CheckpointError] = []  # failed checks: raised once everything is read
@@ -400,7 +404,7 @@ class CheckpointReader:
                 return exc
             return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
 
-        rawio.read_arrays(tasks, error)
+        rawio.read_arrays(tasks, error, follow=follow)
         if rejected:
             raise rejected[0]
         return out
@@ -423,16 +427,12 @@ class CheckpointReader:
     def components(self) -> list[str]:
         return list(self.index["components"])
 
-    def _tree(
-        self,
-        component: str,
-        document: Any,
-        entries: Mapping[str, Any],
-        into: Any,
-        verify: Any,
-    ) -> Any:
-        """Rebuild one component's tree, reading all its tensors at once; tensors of `into` (a
-        tree of the same shape, e.g. the live state_dict) that match are filled in place."""
+    def _plan(
+        self, component: str, document: Any, entries: Mapping[str, Any], into: Any, verify: Any
+    ) -> tuple[list, dict[str, tuple[Any, np.ndarray]]]:
+        """What reading one component's tree takes: the read_arrays items, and the tensors of
+        `into` (a tree of the same shape, e.g. the live state_dict) that match and are filled in
+        place, by dataset key."""
         targets = flatten(into, component)[1] if into is not None else {}
         names: list[str] = []
         unflatten(document, lambda name, kind: names.append(name))
@@ -447,8 +447,16 @@ class CheckpointReader:
             if view is not None:
                 reuse[key] = (targets[name], view)
             wanted.append((key, entry, view, verify(key)))
-        arrays = self.read_arrays(wanted)
+        return wanted, reuse
 
+    def _build(
+        self,
+        component: str,
+        document: Any,
+        entries: Mapping[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        reuse: Mapping[str, tuple[Any, np.ndarray]],
+    ) -> Any:
         def load(name: str, kind: str) -> Any:
             key = _dataset_name(component, name)
             if key in reuse and arrays[key] is reuse[key][1]:
@@ -461,24 +469,45 @@ class CheckpointReader:
         """The component's state tree. `into`: a tree whose matching tensors (same dtype and
         shape, contiguous, in host memory) are filled in place and returned as they are: no
         new memory and no second copy, but a failed read leaves them partly overwritten."""
-        if component not in self.index["components"]:
+        return self.read_components([(component, into)], verify)[component]
+
+    def read_components(
+        self, requests: Sequence[tuple[str, Any]], verify: bool = True
+    ) -> dict[str, Any]:
+        """{component: tree} for (component, into) requests (see component()), read in one pass
+        in file order: a file holds tensors of several components (shard i has part of every
+        model and optimizer), and reading it once from start to end, rather than once per
+        component, keeps the disk streaming."""
+        missing = [c for c, _ in requests if c not in self.index["components"]]
+        if missing:
             raise CheckpointError(
-                f"{self.directory!r} has no {component!r} (it has {self.components()})"
+                f"{self.directory!r} has no {missing[0]!r} (it has {self.components()})"
             )
-        index, count = self.verify_share
-        return self._tree(
-            component,
-            self.index["components"][component],
-            self.index["tensors"],
-            into,
-            lambda key: verify and self._ordinal[key] % count == index,
-        )
+        index, count = self.node_share
+        entries = self.index["tensors"]
+        plans = [
+            self._plan(
+                component,
+                self.index["components"][component],
+                entries,
+                into,
+                lambda key: verify and self._ordinal[key] % count == index,
+            )
+            for component, into in requests
+        ]
+        arrays = self.read_arrays([item for wanted, _ in plans for item in wanted], index > 0)
+        return {
+            component: self._build(
+                component, self.index["components"][component], entries, arrays, reuse
+            )
+            for (component, _), (_, reuse) in zip(requests, plans, strict=True)
+        }
 
     def rank_component(self, rank: int, component: str, verify: bool = True) -> Any:
         part = self.index["per_rank"][rank]
-        return self._tree(
-            component, part["components"][component], part["tensors"], None, lambda key: verify
-        )
+        document, entries = part["components"][component], part["tensors"]
+        wanted, reuse = self._plan(component, document, entries, None, lambda key: verify)
+        return self._build(component, document, entries, self.read_arrays(wanted), reuse)
 
     def verify(self) -> list[str]:
         """Check every tensor's checksum; returns the problems found (empty: all good)."""

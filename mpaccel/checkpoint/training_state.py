@@ -160,14 +160,19 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
             first.append(exc)
 
     documents = reader.index["components"]
-    for i, model in enumerate(accelerator._models):
-        live = accelerator.unwrap_model(model).state_dict()
-        read(f"model_{i}", lambda c=f"model_{i}", live=live: reader.component(c, into=live))
-    for i, opt in enumerate(accelerator._optimizers):
-        live = _optimizer_target(opt, documents[f"optimizer_{i}"])
-        read(f"optimizer_{i}", lambda c=f"optimizer_{i}", live=live: reader.component(c, into=live))
-    for name in others + [c for c in ("scaler", "accelerator") if c in documents]:
-        read(name, lambda c=name: reader.component(c))
+    shared: list[tuple[str, Any]] = [
+        (f"model_{i}", accelerator.unwrap_model(model).state_dict())
+        for i, model in enumerate(accelerator._models)
+    ]
+    shared += [
+        (f"optimizer_{i}", _optimizer_target(opt, documents[f"optimizer_{i}"]))
+        for i, opt in enumerate(accelerator._optimizers)
+    ]
+    shared += [(c, None) for c in [*others, "scaler", "accelerator"] if c in documents]
+    try:  # one pass over the files, not one per component
+        trees.update(reader.read_components(shared))
+    except CheckpointError as exc:
+        first.append(exc)
     same_world = reader.world_size == accelerator.num_processes
     source = rank if same_world else 0
     per_rank = reader.index["per_rank"][source]["components"]
