@@ -237,9 +237,11 @@ def cold_file(tmp_path):
 class _Sleeps:
     def __init__(self):
         self.count = 0
+        self.first = threading.Event()
 
     def sleep(self, seconds):
         self.count += 1
+        self.first.set()
         threading.Event().wait(seconds)
 
 
@@ -264,7 +266,10 @@ def test_a_following_read_copies_from_the_page_cache_and_sleeps_instead_of_readi
             target=lambda: got.append(rawio.preadv_following(fd, memoryview(out), 0))
         )
         follower.start()
-        with open(path, "rb", buffering=0) as leader:  # the node's first rank, reading the disk
+        # the file is cold: the follower finds nothing to copy and sleeps (however late the
+        # thread starts), and only then the node's first rank reads the disk
+        assert sleeps.first.wait(30), "the follower never slept"
+        with open(path, "rb", buffering=0) as leader:
             while leader.read(1 << 20):
                 pass
         follower.join(30)
@@ -272,7 +277,6 @@ def test_a_following_read_copies_from_the_page_cache_and_sleeps_instead_of_readi
     finally:
         os.close(fd)
     assert got == [len(data)] and out == data
-    assert sleeps.count > 0, "the file was cold: the follower must have caught up and slept"
     assert not any(blocking), f"the follower read from the disk itself: {blocking}"
 
 
