@@ -280,22 +280,28 @@ def test_a_following_read_copies_from_the_page_cache_and_sleeps_instead_of_readi
     assert not any(blocking), f"the follower read from the disk itself: {blocking}"
 
 
+def _failing_nowait_reads(monkeypatch, error):
+    """os.preadv raising `error` for RWF_NOWAIT reads (others go through); returns the offsets
+    of the RWF_NOWAIT reads tried."""
+    real, tried = os.preadv, []
+
+    def preadv(fd, buffers, offset, flags=0):
+        if flags & os.RWF_NOWAIT:
+            tried.append(offset)
+            raise error
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return tried
+
+
 @needs_nowait
 def test_a_following_read_with_nobody_ahead_reads_the_disk_after_its_patience(
     monkeypatch, cold_file
 ):
     path, data = cold_file
     monkeypatch.setattr(rawio, "FOLLOW_PATIENCE", 0.02)
-    real = os.preadv
-    attempts = []
-
-    def never_cached(fd, buffers, offset, flags=0):
-        if flags & os.RWF_NOWAIT:
-            attempts.append(offset)
-            raise BlockingIOError(errno.EAGAIN, "would block")
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", never_cached)
+    attempts = _failing_nowait_reads(monkeypatch, BlockingIOError(errno.EAGAIN, "would block"))
     out = bytearray(len(data) + 100)  # longer than the file: the count says where it ended
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -311,16 +317,7 @@ def test_where_buffered_nowait_reads_are_refused_following_reads_are_plain_reads
     monkeypatch, tmp_path
 ):
     monkeypatch.setattr(rawio, "_nowait_reads", True)
-    real = os.preadv
-    refused = []
-
-    def old_kernel(fd, buffers, offset, flags=0):
-        if flags & os.RWF_NOWAIT:
-            refused.append(offset)
-            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", old_kernel)
+    refused = _failing_nowait_reads(monkeypatch, OSError(errno.EOPNOTSUPP, "Not supported"))
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(256)) * 1000)
     fd = os.open(path, os.O_RDONLY)
