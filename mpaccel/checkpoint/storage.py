@@ -483,24 +483,17 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{self.directory!r} has no {missing[0]!r} (it has {self.components()})"
             )
+        documents, entries = self.index["components"], self.index["tensors"]
         index, count = self.node_share
-        entries = self.index["tensors"]
-        plans = [
-            self._plan(
-                component,
-                self.index["components"][component],
-                entries,
-                into,
-                lambda key: verify and self._ordinal[key] % count == index,
-            )
-            for component, into in requests
-        ]
+
+        def verify_key(key: str) -> bool:
+            return verify and self._ordinal[key] % count == index
+
+        plans = [self._plan(c, documents[c], entries, into, verify_key) for c, into in requests]
         arrays = self.read_arrays([item for wanted, _ in plans for item in wanted], index > 0)
         return {
-            component: self._build(
-                component, self.index["components"][component], entries, arrays, reuse
-            )
-            for (component, _), (_, reuse) in zip(requests, plans, strict=True)
+            c: self._build(c, documents[c], entries, arrays, reuse)
+            for (c, _), (_, reuse) in zip(requests, plans, strict=True)
         }
 
     def rank_component(self, rank: int, component: str, verify: bool = True) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -144,7 +145,8 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
         + [f"optimizer_{i}" for i in range(len(accelerator._optimizers))]
         + others
     )
-    missing = [c for c in expected if c not in reader.components()]
+    documents = reader.index["components"]
+    missing = [c for c in expected if c not in documents]
     if missing:
         raise CheckpointError(
             f"{directory!r} has no {missing} (it holds {reader.components()})",
@@ -153,13 +155,12 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
     trees: dict[str, Any] = {}
     first: list[CheckpointError] = []
 
-    def read(name: str, load: Any) -> None:
+    def read(load: Callable[[], dict[str, Any]]) -> None:
         try:
-            trees[name] = load()
+            trees.update(load())
         except CheckpointError as exc:
             first.append(exc)
 
-    documents = reader.index["components"]
     shared: list[tuple[str, Any]] = [
         (f"model_{i}", accelerator.unwrap_model(model).state_dict())
         for i, model in enumerate(accelerator._models)
@@ -169,16 +170,15 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
         for i, opt in enumerate(accelerator._optimizers)
     ]
     shared += [(c, None) for c in [*others, "scaler", "accelerator"] if c in documents]
-    try:  # one pass over the files, not one per component
-        trees.update(reader.read_components(shared))
-    except CheckpointError as exc:
-        first.append(exc)
+    read(lambda: reader.read_components(shared))  # one pass over the files, not one per component
     same_world = reader.world_size == accelerator.num_processes
     source = rank if same_world else 0
-    per_rank = reader.index["per_rank"][source]["components"]
-    for name in per_rank:  # at another world size: rank 0's dataloader positions only
-        if same_world or name.startswith("dataloader_"):
-            read(f"rank:{name}", lambda c=name: reader.rank_component(source, c))
+    per_rank = [  # at another world size: rank 0's dataloader positions only
+        c
+        for c in reader.index["per_rank"][source]["components"]
+        if same_world or c.startswith("dataloader_")
+    ]
+    read(lambda: {f"rank:{c}": reader.rank_component(source, c) for c in per_rank})
     if first:
         raise first[0]
     return trees
