@@ -43,7 +43,8 @@ BIG = {**ARRAYS, "model/big": np.arange(300_000, dtype=np.float32)}  # several r
 
 
 def _write_checkpoint_file(path):
-    """The checkpoint writer: HDF5's metadata through the sink, the data through rawio."""
+    """The checkpoint writer: HDF5's metadata through the sink, the data through rawio.
+    Returns the index entries and the file's size."""
     return storage._write_h5(str(path), BIG, {k: str(a.dtype) for k, a in BIG.items()})
 
 
@@ -69,9 +70,13 @@ def test_a_file_written_through_the_sink_reads_back_identically(tmp_path, writer
 
 def test_checkpoint_entries_hold_the_checksums(monkeypatch, tmp_path):
     monkeypatch.setattr(rawio, "PIECE", 64 << 10)
-    entries = _write_checkpoint_file(tmp_path / "sums.h5")
+    entries, size = _write_checkpoint_file(tmp_path / "sums.h5")
     for key, array in BIG.items():
         assert entries[key]["xxh3"] == storage.checksum(array), key
+    assert size == os.path.getsize(tmp_path / "sums.h5")
+    with h5py.File(tmp_path / "sums.h5", "r") as f:  # where HDF5 put the data, the index says
+        for key in BIG:  # 0-d ones included: HDF5 writes those itself
+            assert entries[key]["offset"] == f[key].id.get_offset(), key
 
 
 def test_enospc_at_every_write_is_raised_after_a_clean_close(monkeypatch, tmp_path, writer):
@@ -126,26 +131,53 @@ def test_short_writes_are_completed(monkeypatch, tmp_path, writer):
             np.testing.assert_array_equal(f[key][()], array)
 
 
-def _reader_for(path, entries):
-    """A CheckpointReader over one file written by _write_checkpoint_file, without an index."""
+def _reader_for(path, entries, size=None):
+    """A CheckpointReader over one file written by _write_checkpoint_file, without an index
+    file. With the file's `size` the index vouches for the entries' offsets (reads at them,
+    without HDF5); without, everything goes through h5py's metadata, as for a file whose size
+    is not the one the index recorded."""
     reader = storage.CheckpointReader.__new__(storage.CheckpointReader)
     reader.directory, reader.stem, reader.node_share = str(path.parent), "t", (0, 1)
-    reader.index = {"tensors": entries, "per_rank": [], "components": {}}
+    sizes = {} if size is None else {path.name: size}
+    reader.index = {"tensors": entries, "per_rank": [], "components": {}, "file_sizes": sizes}
     reader._ordinal = {key: i for i, key in enumerate(sorted(entries))}
-    reader._files = {}
+    reader._files, reader._raw_fds = {}, {}
     return reader
 
 
-def test_reads_fill_given_arrays_in_place_piece_by_piece(monkeypatch, tmp_path):
+@pytest.fixture(params=["at the index's offsets", "through HDF5"])
+def vouched(request):
+    """Read tests run both ways: the index vouches for the offsets, or it does not."""
+    return request.param == "at the index's offsets"
+
+
+def test_reads_fill_given_arrays_in_place_piece_by_piece(monkeypatch, tmp_path, vouched):
     monkeypatch.setattr(rawio, "PIECE", 64 << 10)
     path = tmp_path / "read.h5"
-    entries = _write_checkpoint_file(path)
+    entries, size = _write_checkpoint_file(path)
     destinations = {key: np.zeros_like(array) for key, array in BIG.items()}
-    with _reader_for(path, entries) as reader:
+    events, real_read, real_file = [], rawio.read_arrays, storage.CheckpointReader._file
+
+    def reading(tasks, *args, **kwargs):
+        events.append(sorted(t.key for t in tasks))
+        return real_read(tasks, *args, **kwargs)
+
+    def opening(self, name):
+        events.append("hdf5")
+        return real_file(self, name)
+
+    monkeypatch.setattr(rawio, "read_arrays", reading)
+    monkeypatch.setattr(storage.CheckpointReader, "_file", opening)
+    with _reader_for(path, entries, size if vouched else None) as reader:
         got = reader.read_arrays(
             [(key, entries[key], destinations[key], True) for key in BIG]
             + [("model/weight", entries["model/weight"], np.zeros(3), True)]  # wrong shape: new
         )
+    if vouched:  # HDF5 is not even opened: its metadata reads are small reads all over the
+        # file, each a wait on the disk before the data streams
+        assert [set(e) for e in events] == [set(BIG)]
+    else:
+        assert events[0] == "hdf5" and set(events[-1]) == set(BIG)
     for key, array in BIG.items():
         np.testing.assert_array_equal(got[key], array)
     for key in BIG:
@@ -153,10 +185,34 @@ def test_reads_fill_given_arrays_in_place_piece_by_piece(monkeypatch, tmp_path):
             assert got[key] is destinations[key], key
 
 
-def test_a_corrupted_piece_and_a_truncated_file_are_named_errors(monkeypatch, tmp_path):
+def test_a_file_of_another_size_than_the_index_says_is_read_through_hdf5(tmp_path):
+    """h5repack and friends move the data: the recorded offsets are no longer trusted."""
+    path = tmp_path / "moved.h5"
+    entries, size = _write_checkpoint_file(path)
+    with h5py.File(path, "a") as f:  # another tool adds to the file
+        f.create_dataset("extra", data=np.arange(1000.0))
+    assert os.path.getsize(path) != size
+    with _reader_for(path, entries, size) as reader:
+        got = reader.read_arrays([(key, entries[key], None, True) for key in BIG])
+        assert "model/big" in reader._files[path.name]  # HDF5 told where the data is
+    for key, array in BIG.items():
+        np.testing.assert_array_equal(got[key], array)
+
+
+def test_verify_reports_an_offset_that_hdf5_contradicts(tmp_path):
+    path = tmp_path / "lie.h5"
+    entries, size = _write_checkpoint_file(path)
+    entries["model/big"] = {**entries["model/big"], "offset": entries["model/big"]["offset"] + 8}
+    with _reader_for(path, entries, size) as reader:
+        problems = reader.verify()
+    assert len(problems) == 1 and "HDF5 has 'model/big' at offset" in problems[0], problems
+
+
+def test_a_corrupted_piece_and_a_truncated_file_are_named_errors(monkeypatch, tmp_path, vouched):
     monkeypatch.setattr(rawio, "PIECE", 64 << 10)
     path = tmp_path / "bad.h5"
-    entries = _write_checkpoint_file(path)
+    entries, size = _write_checkpoint_file(path)
+    size = size if vouched else None
     with h5py.File(path, "r") as f:
         offset = f["model/big"].id.get_offset()
     with open(path, "r+b") as raw:  # one byte in the third piece of model/big
@@ -164,31 +220,31 @@ def test_a_corrupted_piece_and_a_truncated_file_are_named_errors(monkeypatch, tm
         byte = raw.read(1)
         raw.seek(offset + 2 * (64 << 10) + 5)
         raw.write(bytes([byte[0] ^ 1]))
-    with _reader_for(path, entries) as reader:
+    with _reader_for(path, entries, size) as reader:
         with pytest.raises(storage.CheckpointError, match="checksum mismatch for 'model/big'"):
             reader.read_array("model/big", entries["model/big"])
         np.testing.assert_array_equal(  # unverified, the other tensors read fine
             reader.read_array("model/weight", entries["model/weight"]), BIG["model/weight"]
         )
-    with _reader_for(path, entries) as reader:
+    with _reader_for(path, entries, size) as reader:
         reader.read_array("model/weight", entries["model/weight"])  # the file is open now
         os.truncate(path, offset + 100_000)  # and then shrinks under the reader
         with pytest.raises(storage.CheckpointError, match=r"model/big.*truncated") as info:
             reader.read_array("model/big", entries["model/big"])
         assert str(path) in str(info.value)
     with pytest.raises(storage.CheckpointError, match="cannot open checkpoint file"):
-        with _reader_for(path, entries) as reader:  # HDF5 itself sees it at open
+        with _reader_for(path, entries, size) as reader:  # HDF5 itself sees it at open
             reader.read_array("model/big", entries["model/big"])
 
 
-def test_a_destination_that_cannot_take_the_bytes_gets_a_new_array(tmp_path):
+def test_a_destination_that_cannot_take_the_bytes_gets_a_new_array(tmp_path, vouched):
     path = tmp_path / "dest.h5"
-    entries = _write_checkpoint_file(path)
+    entries, size = _write_checkpoint_file(path)
     weight = entries["model/weight"]
     strided = np.zeros((200, 300), dtype=np.float32).T  # right shape, not C-contiguous
     frozen = np.zeros((300, 200), dtype=np.float32)
     frozen.flags.writeable = False
-    with _reader_for(path, entries) as reader:
+    with _reader_for(path, entries, size if vouched else None) as reader:
         for dest in (strided, frozen, np.zeros((300, 200), dtype=np.float64)):
             got = reader.read_arrays([("model/weight", weight, dest, True)])["model/weight"]
             assert got is not dest

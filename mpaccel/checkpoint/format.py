@@ -48,6 +48,20 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def storage_dtype(name: str) -> np.dtype | None:
+    """The numpy dtype in which a tensor of dtype `name` (an index entry's "dtype") is stored,
+    where it is a plain number type (None for anything else, or a name this torch lacks)."""
+    try:
+        if name.startswith("numpy."):
+            stored = np.dtype(name.removeprefix("numpy."))
+        else:
+            dtype = torch_dtype(name)
+            stored = torch.empty(0, dtype=_VIEW_AS.get(dtype, dtype)).numpy().dtype
+    except (CheckpointError, TypeError, RuntimeError):
+        return None
+    return stored if stored.kind in "biufc" else None
+
+
 def contiguous(array: np.ndarray) -> np.ndarray:
     """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray makes them 1-d)."""
     return array if array.flags.c_contiguous else array.copy(order="C")

@@ -37,6 +37,7 @@ from .format import (
     dtype_name,
     flatten,
     from_numpy,
+    storage_dtype,
     to_numpy,
     unflatten,
 )
@@ -95,8 +96,12 @@ def _contiguous_early() -> h5py.h5p.PropDCID:
     return dcpl
 
 
-def _write_h5(path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict:
-    """Write datasets to `path` atomically (temp name, fsync, rename). Returns their entries.
+def _write_h5(
+    path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]
+) -> tuple[dict, int]:
+    """Write datasets to `path` atomically (temp name, fsync, rename). Returns their index
+    entries (with the file offset of each dataset that is its array's bytes in one piece) and
+    the file's size.
 
     HDF5 lays the file out and writes its metadata; the data goes to the datasets' extents
     through rawio (parallel writes with early writeback: see rawio.py)."""
@@ -106,6 +111,7 @@ def _write_h5(path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, 
     sink = ErrorKeepingFile(partial)
     try:
         regions = []
+        offsets: dict[str, int] = {}  # where each array's bytes are, in one piece
         with h5py.File(sink, "w", libver="latest") as f:
             f.attrs["format"] = FORMAT_NAME
             for key, array in arrays.items():
@@ -117,15 +123,19 @@ def _write_h5(path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, 
                 offset = ds.id.get_offset()
                 if offset is not None and ds.id.get_storage_size() == array.nbytes:
                     regions.append((key, offset, array))
-                elif array.size:  # no extent of its own, or not the array's bytes: HDF5 writes
+                elif array.size:  # no extent of its own (0-d), or not the array's bytes
                     ds.write_direct(array)
+                    offset = ds.id.get_offset()  # HDF5 gives a 0-d dataset one when written
+                if array.size and offset is not None and ds.id.get_storage_size() == array.nbytes:
+                    offsets[key] = int(offset)
         sink.check()
         # fsyncs the whole file: HDF5's metadata and the data
         written = rawio.write_arrays(sink.fd, partial, regions, checksum)
+        size = os.fstat(sink.fd).st_size
     finally:
         sink.close()
     os.replace(partial, path)
-    return {
+    entries = {
         key: {
             "file": os.path.basename(path),
             "dtype": dtypes[key],
@@ -135,6 +145,9 @@ def _write_h5(path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, 
         }
         for key, array in arrays.items()
     }
+    for key, offset in offsets.items():
+        entries[key]["offset"] = offset
+    return entries, size
 
 
 def _split(trees: Mapping[str, Any]) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
@@ -189,18 +202,24 @@ def write_checkpoint(
     total = len(shards)
     written: list[str] = []
     entries: dict[str, Any] = {}
+    sizes: dict[str, int] = {}
     error = None
     try:
         for shard_no in range(comm.rank, total, comm.size):
             name = f"{stem}-{save_id}-{shard_no + 1:05d}-of-{total:05d}.h5"
             path = os.path.join(directory, name)
             written.append(path)
-            entries.update(_write_h5(path, {k: arrays[k] for k in shards[shard_no]}, dtypes))
+            shard_entries, sizes[name] = _write_h5(
+                path, {k: arrays[k] for k in shards[shard_no]}, dtypes
+            )
+            entries.update(shard_entries)
         rank_file = None
         if per_rank is not None:
             rank_file = f"{stem}-{save_id}-rank{comm.rank:05d}.h5"
             written.append(os.path.join(directory, rank_file))
-            rank_entries = _write_h5(os.path.join(directory, rank_file), rank_arrays, rank_dtypes)
+            rank_entries, sizes[rank_file] = _write_h5(
+                os.path.join(directory, rank_file), rank_arrays, rank_dtypes
+            )
     except Exception as exc:
         where = written[-1] if written else directory
         # No __cause__: its traceback would keep h5py objects of the failed file alive until
@@ -213,7 +232,7 @@ def write_checkpoint(
         raise
 
     gathered = comm.allgather(
-        (entries, (rank_file, rank_docs, rank_entries) if per_rank is not None else None),
+        (entries, (rank_file, rank_docs, rank_entries) if per_rank is not None else None, sizes),
         what=what,
     )
     index: dict[str, Any] = {
@@ -226,13 +245,14 @@ def write_checkpoint(
         "world_size": comm.size,
         "metadata": dict(metadata or {}),
         "components": documents,
-        "tensors": {k: v for part, _ in gathered for k, v in part.items()},
-        "shards": sorted({v["file"] for part, _ in gathered for v in part.values()}),
+        "tensors": {k: v for part, _, _ in gathered for k, v in part.items()},
+        "shards": sorted({v["file"] for part, _, _ in gathered for v in part.values()}),
         "per_rank": [
             {"file": extra[0], "components": extra[1], "tensors": extra[2]}
-            for _, extra in gathered
+            for _, extra, _ in gathered
             if extra is not None
         ],
+        "file_sizes": {name: size for _, _, part in gathered for name, size in part.items()},
     }
     error = None
     if comm.rank == 0:
@@ -304,11 +324,16 @@ class CheckpointReader:
             )
         self._ordinal = {key: i for i, key in enumerate(sorted(self.index["tensors"]))}
         self._files: dict[str, h5py.File] = {}
+        self._raw_fds: dict[str, int] = {}
 
     def close(self) -> None:
         files, self._files = list(self._files.values()), {}
         for f in files:
             f.close()
+        fds, self._raw_fds = list(self._raw_fds.values()), {}
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -333,6 +358,29 @@ class CheckpointReader:
                 ) from exc
         return self._files[name]
 
+    def _raw(self, entry: Mapping[str, Any]) -> tuple[int, int, np.dtype] | None:
+        """(descriptor, offset, dtype) to read the entry's bytes without HDF5, where the index
+        vouches for them: it recorded the dataset's offset, and the file has the size the index
+        recorded (a file rewritten by another tool, e.g. h5repack, has moved its data and is read
+        through h5py). This spares every rank HDF5's metadata reads, small reads scattered over
+        the file, before the data streams."""
+        offset, name = entry.get("offset"), entry["file"]
+        dtype = storage_dtype(entry["dtype"])
+        if offset is None or dtype is None:
+            return None
+        if name not in self._raw_fds:
+            path = self._path(name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointError(f"cannot open checkpoint file {path!r}: {exc}") from exc
+            if os.fstat(fd).st_size != self.index.get("file_sizes", {}).get(name):
+                os.close(fd)
+                fd = -1
+            self._raw_fds[name] = fd
+        fd = self._raw_fds[name]
+        return (fd, int(offset), dtype) if fd >= 0 else None
+
     def _verify(self, key: str, array: np.ndarray, entry: Mapping[str, Any]) -> None:
         if checksum(array) != entry["xxh3"]:
             raise CheckpointError(
@@ -349,65 +397,106 @@ class CheckpointReader:
         """Read (key, index entry, destination or None, verify) items, on several threads.
 
         A destination of the right dtype and shape is filled in place (and returned); otherwise a
-        new array is. Contiguous datasets are read by rawio at their file offsets, others
-        (0-d, or written by another tool with chunks or filters) through h5py. `follow`: another
-        process of this node reads the same items now (see rawio.read_arrays)."""
+        new array is. Tensors at offsets the index vouches for (see _raw()) are read first, by
+        rawio in file order, so the data streams before any HDF5 metadata is read; then those
+        of checkpoints without offsets or rewritten by another tool, through HDF5's metadata
+        (contiguous ones by rawio at the offset HDF5 gives, chunked or filtered ones by h5py).
+        `follow`: another process of this node reads the same items now (rawio.read_arrays)."""
         out: dict[str, np.ndarray] = {}
-        tasks: list[rawio.ReadTask] = []
         rejected: list[CheckpointError] = []  # failed checks: raised once everything is read
-        for key, entry, dest, verify in wanted:
-            path = self._path(entry["file"])
-            try:
-                ds = self._file(entry["file"])[key]
-                if list(ds.shape) != entry["shape"]:
-                    raise CheckpointError(
-                        f"{path!r}: {key!r} has shape {ds.shape}, index says {entry['shape']}"
-                    )
-                if (
-                    dest is None
-                    or dest.dtype != ds.dtype
-                    or dest.shape != ds.shape
-                    or not dest.flags.c_contiguous
-                    or not dest.flags.writeable
-                ):
-                    dest = np.empty(ds.shape, dtype=ds.dtype)
-                plist = ds.id.get_create_plist()
-                offset = None
-                if (  # the dataset is the array's bytes, in one piece of the file
-                    plist.get_layout() == h5py.h5d.CONTIGUOUS
-                    and plist.get_nfilters() == 0
-                    and plist.get_external_count() == 0
-                    and not dest.dtype.hasobject
-                    and ds.id.get_storage_size() == dest.nbytes
-                ):
-                    offset = ds.id.get_offset()
-                out[key] = dest
-                check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
-                if offset is None or dest.size == 0:
-                    if dest.size:
-                        ds.read_direct(dest)
-                    try:
-                        if check:
-                            check(dest)
-                    except CheckpointError as exc:
-                        rejected.append(exc)
-                else:
-                    fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
-                    tasks.append(rawio.ReadTask(key, path, fd, offset, dest, check))
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                raise CheckpointError(f"cannot read {key!r} from {path!r}: {exc}") from exc
 
         def error(task: rawio.ReadTask, exc: BaseException) -> BaseException:
             if isinstance(exc, CheckpointError):
                 return exc
             return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
 
-        rawio.read_arrays(tasks, error, follow=follow)
+        first: list = []
+        later: list = []
+        for item in wanted:
+            (first if self._raw(item[1]) is not None else later).append(item)
+        for items in (first, later):
+            tasks = []
+            for key, entry, dest, verify in items:
+                try:
+                    task = self._read_one(key, entry, dest, verify, out, rejected)
+                except CheckpointError:
+                    raise
+                except Exception as exc:
+                    path = self._path(entry["file"])
+                    raise CheckpointError(f"cannot read {key!r} from {path!r}: {exc}") from exc
+                if task is not None:
+                    tasks.append(task)
+            if tasks:
+                rawio.read_arrays(tasks, error, follow=follow)
         if rejected:
             raise rejected[0]
         return out
+
+    def _read_one(
+        self,
+        key: str,
+        entry: Mapping[str, Any],
+        dest: np.ndarray | None,
+        verify: bool,
+        out: dict[str, np.ndarray],
+        rejected: list[CheckpointError],
+    ) -> rawio.ReadTask | None:
+        """One item of read_arrays: puts its array in `out` and returns the rawio task that fills
+        it, or reads it here (through h5py, or empty) and returns None."""
+        path = self._path(entry["file"])
+        offset: int | None
+        raw = self._raw(entry)
+        if raw is not None:
+            fd, offset, dtype = raw
+            shape: tuple[int, ...] = tuple(entry["shape"])
+            if int(np.prod(shape)) * dtype.itemsize != entry["nbytes"]:
+                raise CheckpointError(
+                    f"the index of {self.directory!r} contradicts itself for {key!r}: "
+                    f"{entry['nbytes']} bytes of {entry['dtype']} {list(shape)}"
+                )
+        else:
+            ds = self._file(entry["file"])[key]
+            if list(ds.shape) != entry["shape"]:
+                raise CheckpointError(
+                    f"{path!r}: {key!r} has shape {ds.shape}, index says {entry['shape']}"
+                )
+            fd, offset, dtype, shape = -1, self._h5_offset(ds), ds.dtype, ds.shape
+        if (
+            dest is None
+            or dest.dtype != dtype
+            or dest.shape != shape
+            or not dest.flags.c_contiguous
+            or not dest.flags.writeable
+        ):
+            dest = np.empty(shape, dtype=dtype)
+        out[key] = dest
+        check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
+        if offset is not None and dest.size:
+            if fd < 0:
+                fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
+            return rawio.ReadTask(key, path, fd, offset, dest, check)
+        if dest.size:
+            ds.read_direct(dest)
+        try:
+            if check:
+                check(dest)
+        except CheckpointError as exc:
+            rejected.append(exc)
+        return None
+
+    @staticmethod
+    def _h5_offset(ds: h5py.Dataset) -> int | None:
+        """The file offset of the dataset's data where it is its array's bytes in one piece."""
+        plist = ds.id.get_create_plist()
+        if (
+            plist.get_layout() == h5py.h5d.CONTIGUOUS
+            and plist.get_nfilters() == 0
+            and plist.get_external_count() == 0
+            and not ds.dtype.hasobject
+            and ds.id.get_storage_size() == ds.size * ds.dtype.itemsize
+        ):
+            return ds.id.get_offset()
+        return None
 
     def read_array(self, key: str, entry: Mapping[str, Any], verify: bool = True) -> np.ndarray:
         return self.read_arrays([(key, entry, None, verify)])[key]
@@ -503,17 +592,33 @@ class CheckpointReader:
         return self._build(component, document, entries, self.read_arrays(wanted), reuse)
 
     def verify(self) -> list[str]:
-        """Check every tensor's checksum; returns the problems found (empty: all good)."""
+        """Check every tensor's checksum, and that HDF5 places it where the index does; returns
+        the problems found (empty: all good)."""
         problems = []
         entries = list(self.index["tensors"].items())
         for part in self.index["per_rank"]:
             entries.extend(part["tensors"].items())
         for key, entry in entries:
             try:
+                self._check_layout(key, entry)
                 self.read_array(key, entry, verify=True)
             except CheckpointError as exc:
                 problems.append(str(exc))
         return problems
+
+    def _check_layout(self, key: str, entry: Mapping[str, Any]) -> None:
+        """Where loads read the entry's bytes at the index's offset, check that HDF5 agrees."""
+        if self._raw(entry) is None:
+            return
+        ds = self._file(entry["file"])[key]
+        found = (self._h5_offset(ds), list(ds.shape), ds.dtype)
+        if found != (entry["offset"], entry["shape"], storage_dtype(entry["dtype"])):
+            raise CheckpointError(
+                f"{self._path(entry['file'])!r}: HDF5 has {key!r} at offset {found[0]} as "
+                f"{found[2]} {found[1]}, the index says offset {entry['offset']}, "
+                f"{entry['dtype']} {entry['shape']}",
+                "the file was changed after the save; restore it, or load an earlier checkpoint.",
+            )
 
 
 def _writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:
