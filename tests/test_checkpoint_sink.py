@@ -74,7 +74,7 @@ def test_checkpoint_entries_hold_the_checksums(monkeypatch, tmp_path):
     for key, array in BIG.items():
         assert entries[key]["xxh3"] == storage.checksum(array), key
     assert size == os.path.getsize(tmp_path / "sums.h5")
-    with h5py.File(tmp_path / "sums.h5", "r") as f:  # where HDF5 put the data, the index says
+    with h5py.File(tmp_path / "sums.h5", "r") as f:  # the index says where HDF5 put the data
         for key in BIG:  # 0-d ones included: HDF5 writes those itself
             assert entries[key]["offset"] == f[key].id.get_offset(), key
 
@@ -386,3 +386,35 @@ def test_where_buffered_nowait_reads_are_refused_following_reads_are_plain_reads
         os.close(fd)
     assert refused == [0], "tried once, then never again"
     assert rawio._nowait_reads is False
+
+
+@needs_nowait
+def test_a_cold_read_from_a_local_disk_takes_one_thread_a_cached_one_several(
+    monkeypatch, cold_file
+):
+    path, data = cold_file
+    monkeypatch.setattr(rawio, "io_threads", lambda: 3)
+    monkeypatch.delenv("MPACCEL_IO_THREADS", raising=False)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = np.empty(len(data), dtype=np.uint8)
+        tasks = [rawio.ReadTask("cold", str(path), fd, 0, out, None)]
+        on_disk = rawio._on_local_disk(fd)
+        assert rawio.read_threads(tasks) == (1 if on_disk else 3)
+        monkeypatch.setenv("MPACCEL_IO_THREADS", "2")  # said explicitly: io_threads() (which
+        assert rawio.read_threads(tasks) == 3  # reads it; replaced here) decides, cold or not
+        monkeypatch.delenv("MPACCEL_IO_THREADS")
+        used = []
+        real_pool = rawio.ThreadPoolExecutor
+
+        def pool(threads, **kwargs):
+            used.append(threads)
+            return real_pool(threads, **kwargs)
+
+        monkeypatch.setattr(rawio, "ThreadPoolExecutor", pool)
+        rawio.read_arrays(tasks, lambda task, exc: exc)
+        assert out.tobytes() == data
+        assert used[-1] == (1 if on_disk else 3)  # the readers' pool (the verifier's is first)
+        assert rawio.read_threads(tasks) == 3  # now it is in the page cache
+    finally:
+        os.close(fd)
