@@ -394,27 +394,28 @@ def test_a_cold_read_from_a_local_disk_takes_one_thread_a_cached_one_several(
 ):
     path, data = cold_file
     monkeypatch.setattr(rawio, "io_threads", lambda: 3)
-    monkeypatch.delenv("MPACCEL_IO_THREADS", raising=False)
+    used = []
+    real_pool = rawio.ThreadPoolExecutor
+
+    def pool(threads, **kwargs):
+        used.append(threads)
+        return real_pool(threads, **kwargs)
+
+    monkeypatch.setattr(rawio, "ThreadPoolExecutor", pool)
     fd = os.open(path, os.O_RDONLY)
     try:
         out = np.empty(len(data), dtype=np.uint8)
         tasks = [rawio.ReadTask("cold", str(path), fd, 0, out, None)]
-        on_disk = rawio._on_local_disk(fd)
-        assert rawio.read_threads(tasks) == (1 if on_disk else 3)
-        monkeypatch.setenv("MPACCEL_IO_THREADS", "2")  # said explicitly: io_threads() (which
-        assert rawio.read_threads(tasks) == 3  # reads it; replaced here) decides, cold or not
+        # said explicitly: io_threads() (which reads the variable; replaced here) decides, and
+        # nothing is probed (a probe may start the kernel's readahead: the file would not be
+        # cold any more)
+        monkeypatch.setenv("MPACCEL_IO_THREADS", "2")
+        assert rawio.read_threads(tasks) == 3
         monkeypatch.delenv("MPACCEL_IO_THREADS")
-        used = []
-        real_pool = rawio.ThreadPoolExecutor
-
-        def pool(threads, **kwargs):
-            used.append(threads)
-            return real_pool(threads, **kwargs)
-
-        monkeypatch.setattr(rawio, "ThreadPoolExecutor", pool)
         rawio.read_arrays(tasks, lambda task, exc: exc)
         assert out.tobytes() == data
-        assert used[-1] == (1 if on_disk else 3)  # the readers' pool (the verifier's is first)
+        # the readers' pool (the verifier's is made first)
+        assert used[-1] == (1 if rawio._on_local_disk(fd) else 3)
         assert rawio.read_threads(tasks) == 3  # now it is in the page cache
     finally:
         os.close(fd)

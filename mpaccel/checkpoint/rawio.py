@@ -159,7 +159,8 @@ def _on_local_disk(fd: int) -> bool:
 
 
 def _cached(fd: int, offset: int) -> bool | None:
-    """Is the byte at `offset` in the page cache? None where the kernel cannot tell."""
+    """Is the byte at `offset` in the page cache? None where the kernel cannot tell. A miss
+    may start the kernel's readahead there, which the read that follows wants anyway."""
     if not _nowait_reads:
         return None
     try:
