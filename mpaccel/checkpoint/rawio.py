@@ -153,7 +153,9 @@ def preadv_following(fd: int, view: memoryview, offset: int) -> int:
 
 def _on_local_disk(fd: int) -> bool:
     """The file lives on a block device of this machine (ext4, xfs... on a disk), not on a
-    network or parallel file system (NFS, Lustre, GPFS have no block device of their own)."""
+    network or parallel file system (NFS, Lustre, GPFS have no block device of their own). File
+    systems that report no device of their own (btrfs, overlayfs) count as not local: their
+    reads keep io_threads(), as before this distinction was made."""
     dev = os.fstat(fd).st_dev
     return os.path.exists(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
 
