@@ -410,15 +410,14 @@ class CheckpointReader:
                 return exc
             return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
 
-        first: list = []
-        later: list = []
-        for item in wanted:
-            (first if self._raw(item[1]) is not None else later).append(item)
-        for items in (first, later):
+        placed = [(item, self._raw(item[1])) for item in wanted]  # each file opened once
+        for at_offsets in (True, False):
             tasks = []
-            for key, entry, dest, verify in items:
+            for (key, entry, dest, verify), raw in placed:
+                if (raw is not None) != at_offsets:
+                    continue
                 try:
-                    task = self._read_one(key, entry, dest, verify, out, rejected)
+                    task = self._read_one(key, entry, dest, verify, raw, out, rejected)
                 except CheckpointError:
                     raise
                 except Exception as exc:
@@ -438,14 +437,15 @@ class CheckpointReader:
         entry: Mapping[str, Any],
         dest: np.ndarray | None,
         verify: bool,
+        raw: tuple[int, int, np.dtype] | None,
         out: dict[str, np.ndarray],
         rejected: list[CheckpointError],
     ) -> rawio.ReadTask | None:
-        """One item of read_arrays: puts its array in `out` and returns the rawio task that fills
-        it, or reads it here (through h5py, or empty) and returns None."""
+        """One item of read_arrays (`raw`: what _raw() said of it): puts its array in `out` and
+        returns the rawio task that fills it, or reads it here (through h5py, or empty) and
+        returns None."""
         path = self._path(entry["file"])
         offset: int | None
-        raw = self._raw(entry)
         if raw is not None:
             fd, offset, dtype = raw
             shape: tuple[int, ...] = tuple(entry["shape"])
