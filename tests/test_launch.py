@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from mpaccel import _env
-from mpaccel.testing import run_mpi
+from mpaccel.testing import launch, run_mpi
 
 # Launching mpiexec from inside an MPI rank is not portable: these run in the size-1 pass only.
 pytestmark = pytest.mark.mpi(size=1)
@@ -121,6 +123,76 @@ def test_a_script_may_end_right_after_a_collective(tmp_path, last):
         run = run_mpi([script], n=4, timeout=120)
         assert run.returncode == 0 and not run.timed_out, run.describe()
         assert not any("terminate called" in err for err in run.stderr), run.describe()
+
+
+def _sleeper():
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_process_state_tells_a_reused_pid_from_the_process():
+    proc = _sleeper()
+    try:
+        start = launch.start_time(proc.pid)
+        assert start is not None
+        assert launch.process_state(proc.pid, start) == "alive"
+        # what a later process that got the same pid looks like: another start time
+        assert launch.process_state(proc.pid, start + 1) == "gone"
+        assert launch.process_state(proc.pid, start - 1) == "gone"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert launch.process_state(proc.pid, start) == "gone"
+
+
+def test_process_state_of_a_zombie():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = launch.start_time(proc.pid)
+    assert start is not None
+    assert launch.wait_gone({proc.pid: start}, 30) == []
+    assert launch.process_state(proc.pid, start) == "zombie"  # exited, not reaped yet
+    proc.wait()
+    assert launch.process_state(proc.pid, start) == "gone"
+
+
+def test_a_leader_whose_own_thread_ended_is_alive_while_its_threads_run():
+    # /proc shows such a process as Z, but its other threads may still be writing files.
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import ctypes, sys, threading, time
+        threading.Thread(target=time.sleep, args=(60,)).start()
+        print(flush=True)
+        ctypes.CDLL(None).pthread_exit(None)
+    """)], stdout=subprocess.PIPE)
+    try:
+        proc.stdout.readline()
+        start = launch.start_time(proc.pid)
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert launch.process_state(proc.pid, start) == "alive"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_kill_ranks_kills_only_the_processes_named(tmp_path):
+    ranks, stranger = _sleeper(), _sleeper()
+    try:
+        start, other_start = launch.start_time(ranks.pid), launch.start_time(stranger.pid)
+        (tmp_path / "rank-0.pid").write_text(f"{ranks.pid} {start}\n")
+        # a pid file whose rank ended and whose pid went to another process: another start time
+        (tmp_path / "rank-1.pid").write_text(f"{stranger.pid} {other_start - 1}\n")
+        (tmp_path / "rank-2.pid").write_text("")  # not written yet
+        killed = launch.kill_ranks(tmp_path)
+        assert list(killed) == [ranks.pid]
+        assert launch.wait_gone(killed, 30) == []
+        assert ranks.wait(timeout=30) == -signal.SIGKILL
+        assert stranger.poll() is None
+    finally:
+        for proc in (ranks, stranger):
+            proc.kill()
+            proc.wait()
 
 
 def _plain_python(tmp_path, extra_env, body="from mpaccel import PartialState; PartialState()"):

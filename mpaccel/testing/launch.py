@@ -3,6 +3,7 @@ timeout, and get each rank's output back separately."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -14,8 +15,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from .. import _env
+
+ProcessState = Literal["alive", "zombie", "gone"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,75 @@ def mpiexec_command(n: int) -> tuple[list[str], dict[str, str]]:
             extra = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
         extra["OMPI_MCA_mpi_yield_when_idle"] = "1"
     return argv, extra
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """Fields 3 onwards of /proc/PID/stat (state first), or None: no such process, or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rindex(b")") + 2 :].split()  # the name, in parentheses, may hold anything
+
+
+def start_time(pid: int) -> int | None:
+    """When PID started (field 22 of /proc/PID/stat, in clock ticks since boot): with the pid it
+    names one process, even after the pid is reused. None without such a process or /proc."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def process_state(pid: int, starttime: int) -> ProcessState:
+    """'alive', 'zombie' (it has exited; only its parent has not reaped it) or 'gone' (no such
+    process, or the pid now names another one: its start time differs). Without /proc (not
+    Linux) every process reads as 'gone'."""
+    fields = _stat(pid)
+    if fields is None or int(fields[19]) != starttime:
+        return "gone"
+    # A leader whose own thread ended shows Z while its other threads (field 20) still run.
+    if fields[0] in (b"Z", b"X") and int(fields[17]) <= 1:
+        return "zombie"
+    return "alive"
+
+
+def rank_pids(outdir: str | os.PathLike[str]) -> dict[int, int]:
+    """pid -> start time of every rank rankio started with OUTDIR (from its rank-R.pid files)."""
+    pids = {}
+    for path in Path(outdir).glob("rank-*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pid, start = map(int, path.read_text().split())
+            pids[pid] = start
+    return pids
+
+
+def kill_alive(pids: Mapping[int, int]) -> dict[int, int]:
+    """SIGKILL each process of PIDS (pid -> start time) that is alive and still the same process.
+    Returns pid -> start time of those signalled, for wait_gone."""
+    killed = {}
+    for pid, start in pids.items():
+        if process_state(pid, start) == "alive":
+            # a pid is reused only after the counter wraps: not in the microseconds since the check
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            killed[pid] = start
+    return killed
+
+
+def kill_ranks(outdir: str | os.PathLike[str]) -> dict[int, int]:
+    """SIGKILL every rank listed in OUTDIR's pid files that is still alive; see kill_alive."""
+    return kill_alive(rank_pids(outdir))
+
+
+def wait_gone(pids: Mapping[int, int], timeout: float) -> list[int]:
+    """Poll until every process in PIDS (pid -> start time) is gone or a zombie (a zombie holds no
+    CPU, memory or open file), or `timeout` seconds pass. Returns the pids still alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [pid for pid, start in pids.items() if process_state(pid, start) == "alive"]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.01)
 
 
 def run_mpi(

@@ -1,6 +1,7 @@
 """`python -m mpaccel.testing.rankio DIR (script.py | -m module) [args]`: run a script or module
 with this rank's stdout and stderr in DIR/rank-R.out and DIR/rank-R.err, and the exit code it
-ended with in DIR/rank-R.rc (none when it died of a signal or an abort). Used by run_mpi."""
+ended with in DIR/rank-R.rc (none when it died of a signal or an abort). First of all it writes
+DIR/rank-R.pid, "PID STARTTIME", so that run_mpi can kill a rank its launcher left behind."""
 
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ import runpy
 import sys
 
 from .._env import rank_before_init
+from .launch import start_time
+
+
+def write_pid_file(path: str) -> None:
+    """PATH := "PID STARTTIME" of this process, whole or not at all (a reader may look any time).
+    Nothing without /proc: there is no start time to tell this process from a later one."""
+    start = start_time(os.getpid())
+    if start is None:
+        return
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {start}\n")
+    os.replace(path + ".tmp", path)
 
 
 def main(argv: list[str]) -> None:
@@ -16,6 +29,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m mpaccel.testing.rankio DIR (script.py | -m module) ...")
     directory, target = argv[0], argv[1:]
     rank = rank_before_init() or 0
+    write_pid_file(os.path.join(directory, f"rank-{rank}.pid"))
     for fd, suffix in ((1, "out"), (2, "err")):
         handle = os.open(
             os.path.join(directory, f"rank-{rank}.{suffix}"),
