@@ -125,6 +125,64 @@ def test_a_script_may_end_right_after_a_collective(tmp_path, last):
         assert not any("terminate called" in err for err in run.stderr), run.describe()
 
 
+def _end(pids):
+    """Kill what a test left running (checking start times), so that it leaks into no later test."""
+    launch.wait_gone(launch.kill_alive(pids), 30)
+
+
+@pytest.mark.parametrize("freeze_proxy", [False, True], ids=["launcher-works", "launcher-frozen"])
+def test_no_rank_outlives_a_timeout(tmp_path, freeze_proxy):
+    # Ranks that ignore SIGTERM. MPICH starts each in a session of its own, so the group kill
+    # misses them; its proxy kills them once mpiexec dies, but with the proxy frozen nothing
+    # would: only run_mpi's kill, through the pid files, is left.
+    script = _script(
+        tmp_path,
+        f"""
+        import os, signal, time
+        from mpaccel.testing.launch import start_time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        me, proxy = os.getpid(), os.getppid()
+        print(me, start_time(me), proxy, start_time(proxy), flush=True)
+        if {freeze_proxy}:
+            os.kill(proxy, signal.SIGSTOP)
+        time.sleep(600)
+    """,
+    )
+    run = run_mpi([script], n=2, timeout=15)
+    rows = [tuple(map(int, out.split())) for out in run.stdout if out]
+    ranks = {pid: start for pid, start, _, _ in rows}
+    states = {pid: launch.process_state(pid, start) for pid, start in ranks.items()}
+    _end({**ranks, **{proxy: start for _, _, proxy, start in rows}})
+    assert run.timed_out and len(rows) == 2, run.describe()
+    assert "alive" not in states.values(), states
+
+
+def test_no_rank_outlives_a_launcher_that_died(tmp_path, monkeypatch):
+    # A launcher that exits 0 while its ranks, detached from it, still run: the normal path.
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(textwrap.dedent("""
+        import glob, os, subprocess, sys, time
+        n, rank_command = int(sys.argv[2]), sys.argv[3:]   # launcher.py -n N python -m rankio DIR
+        for rank in range(n):
+            subprocess.Popen(rank_command, env={**os.environ, "PMI_RANK": str(rank)},
+                             start_new_session=True, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while len(files := glob.glob(os.path.join(rank_command[3], "rank-*.pid"))) < n:
+            time.sleep(0.01)
+        print("".join(open(f).read() for f in files), end="")
+    """))
+    monkeypatch.setattr(
+        launch, "mpiexec_command", lambda n: ([sys.executable, str(launcher), "-n", str(n)], {})
+    )
+    script = _script(tmp_path, "import time; time.sleep(600)")
+    run = run_mpi([script], n=2, timeout=60)
+    ranks = dict(tuple(map(int, line.split())) for line in run.launcher_output.splitlines())
+    states = {pid: launch.process_state(pid, start) for pid, start in ranks.items()}
+    _end(ranks)
+    assert not run.timed_out and run.returncode == 0 and len(ranks) == 2, run.describe()
+    assert "alive" not in states.values(), states
+
+
 def _sleeper():
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 

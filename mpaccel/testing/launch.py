@@ -1,5 +1,5 @@
 """run_mpi: launch a script (or `-m pytest ...`) under mpiexec -n N from a plain test, with a
-timeout, and get each rank's output back separately."""
+timeout, and get each rank's output back separately; no rank outlives it."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ from typing import Literal
 from .. import _env
 
 ProcessState = Literal["alive", "zombie", "gone"]
+
+# How long SIGKILLed ranks get to disappear; more means one is stuck in the kernel (state D).
+_KILL_WAIT = 30.0
 
 
 @dataclass(frozen=True)
@@ -173,8 +176,10 @@ def run_mpi(
 ) -> MPIRun:
     """Run `python ARGS` (a script path, or `-m module ...`) on n ranks under mpiexec.
 
-    Never hangs: after `timeout` seconds the whole process group is terminated (then killed) and
-    the result says timed_out=True. Does not raise on failure; call `.check()` for that.
+    Never hangs: after `timeout` seconds the launcher's process group is terminated (then killed)
+    and the result says timed_out=True. No rank outlives it: each rank writes its pid and start
+    time (rankio), and any still alive once the launcher is gone (on a timeout, or when the
+    launcher died) is killed and waited for. Does not raise on failure; call `.check()` for that.
     """
     argv, extra = mpiexec_command(n)
     outdir = tempfile.mkdtemp(prefix="mpaccel-run-")
@@ -196,13 +201,18 @@ def run_mpi(
         launcher_output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             launcher_output, _ = proc.communicate(timeout=5)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             launcher_output, _ = proc.communicate()
+    # MPICH starts each rank in a session of its own, out of reach of the group kill: a rank that
+    # ignores SIGTERM, or whose launcher died, would go on running into later tests.
     elapsed = time.monotonic() - start
+    survivors = wait_gone(kill_ranks(outdir), _KILL_WAIT)
 
     def read(rank: int, suffix: str) -> str:
         path = Path(outdir) / f"rank-{rank}.{suffix}"
@@ -223,4 +233,10 @@ def run_mpi(
         returncodes=tuple(code(r) for r in range(n)),
     )
     shutil.rmtree(outdir, ignore_errors=True)
+    if survivors:
+        raise RuntimeError(
+            f"ranks {survivors} of {' '.join(command)!r} still run {_KILL_WAIT:.0f} s after "
+            "SIGKILL; HINT: they are stuck in the kernel (state D in `ps`), often on a hung "
+            "file system"
+        )
     return result
