@@ -16,7 +16,7 @@ import torch
 from mpaccel import _env
 from mpaccel.checkpoint import CheckpointReader, latest_checkpoint
 from mpaccel.testing import run_mpi
-from mpaccel.testing.launch import mpiexec_command
+from mpaccel.testing.launch import kill_ranks, mpiexec_command, rank_pids, wait_gone
 
 pytestmark = pytest.mark.mpi(size=1)
 
@@ -119,6 +119,11 @@ def test_job_killed_during_save_leaves_last_checkpoint_loadable(tmp_path, delay)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        # MPICH puts each rank in a session of its own, out of reach of the group kill: its proxy
+        # kills them a moment later. Kill them now and wait until they are gone, so that no
+        # writer still runs while the checkpoint is read, and none runs into later tests.
+        left_running = wait_gone(kill_ranks(outdir), 30)
+    assert len(rank_pids(outdir)) == 2 and left_running == [], left_running
     latest = latest_checkpoint(str(project))
     assert latest is not None
     number, path = latest
