@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from mpaccel import Accelerator, AcceleratorState
+from mpaccel import Accelerator, AcceleratorState, distributed
 from mpaccel.errors import ConfigurationError
 from mpaccel.testing import reset_state
 from mpaccel.utils import (
@@ -121,6 +121,128 @@ def test_sync_each_batch_and_no_sync(comm):
     grads = comm.allgather(local[0])
     if acc.num_processes > 1:
         assert not torch.equal(grads[0], grads[1])  # no all-reduce happened
+
+
+def _count_all_reduces(model):
+    """Record DDP's gradient all-reduces (one per bucket) through a communication hook that
+    reduces as DDP does by default."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = []
+
+    def hook(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, hook)
+    return calls
+
+
+def _grads(model):
+    return torch.cat([p.grad.detach().flatten().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("sync_each_batch", [False, True])
+def test_sync_each_batch_decides_which_micro_batches_all_reduce(comm, sync_each_batch):
+    steps = 4
+    plugin = GradientAccumulationPlugin(num_steps=steps, sync_each_batch=sync_each_batch)
+    acc = _fresh(gradient_accumulation_plugin=plugin)
+    n = acc.num_processes
+    dataset = _data(n=GLOBAL_BATCH * steps * 2)  # two optimizer steps per epoch
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // n)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    ddp = n > 1
+    assert distributed.is_ddp(model) == ddp
+    reduces = _count_all_reduces(model) if ddp else []
+    syncs, requested, reduced, grads = [], [], [], []
+    for _ in range(2):
+        for x, y in loader:
+            with acc.accumulate(model):
+                requested.append(getattr(model, "require_backward_grad_sync", False))
+                before = len(reduces)
+                acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                reduced.append(len(reduces) > before)
+                syncs.append(acc.sync_gradients)
+                grads.append(_grads(acc.unwrap_model(model)))
+                opt.step()
+                opt.zero_grad()
+    assert syncs == [False, False, False, True] * 4
+    # each rank's own batches: its gradients are its own until they are all-reduced
+    everyone = comm.allgather(grads)
+    same = [all(torch.equal(g[i], everyone[0][i]) for g in everyone) for i in range(len(grads))]
+    if ddp:
+        expected = [sync or sync_each_batch for sync in syncs]
+        assert requested == expected  # DDP's no_sync() was on for the others
+        assert reduced == expected
+        assert same == expected
+    else:  # one process: no DDP, nothing to reduce
+        assert not any(requested) and reduces == []
+    # either way, the same training as one process on the concatenated batches
+    mine = _params(acc.unwrap_model(model))
+    expected_params = _params(_reference(dataset, steps, epochs=2))
+    assert torch.allclose(mine, expected_params, atol=1e-5), (mine - expected_params).abs().max()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"adjust_scheduler": False},
+        {"split_batches": True},
+        # it then steps before the optimizer has, which torch warns about
+        pytest.param(
+            {"step_scheduler_with_optimizer": False},
+            marks=pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step"),
+        ),
+    ],
+    ids=["default", "no-adjust", "split-batches", "not-with-optimizer"],
+)
+def test_prepared_scheduler_steps_with_the_optimizer(comm, options):
+    """As Accelerate: a scheduler written for one process counts batches, so it moves
+    num_processes steps per optimizer step (one with split_batches) and none while gradients
+    accumulate; adjust_scheduler only moves its step counter on those micro-batches.
+    step_scheduler_with_optimizer=False steps it on every call."""
+    steps, micro_batches = 4, 10
+    adjust = options.get("adjust_scheduler", True)
+    split = options.get("split_batches", False)
+    with_optimizer = options.get("step_scheduler_with_optimizer", True)
+    plugin = GradientAccumulationPlugin(num_steps=steps, adjust_scheduler=adjust)
+    acc = _fresh(
+        gradient_accumulation_plugin=plugin,
+        split_batches=split,
+        step_scheduler_with_optimizer=with_optimizer,
+    )
+    n = acc.num_processes
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    counter = sched.scheduler._step_count
+    lrs, counted = [], []
+    g = torch.Generator().manual_seed(acc.process_index)
+    for _ in range(micro_batches):  # no dataloader: no forced sync at its end
+        with acc.accumulate(model):
+            acc.backward(model(torch.randn(4, 8, generator=g)).pow(2).mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        lrs.append(opt.param_groups[0]["lr"])
+        counted.append(sched.scheduler._step_count - counter)
+    expected_lrs, expected_counts = [], []
+    for k in range(1, micro_batches + 1):
+        optimizer_steps = k // steps
+        if not with_optimizer:
+            moved = k
+        else:
+            moved = optimizer_steps * (1 if split else n)
+        expected_lrs.append(1 / (1 + moved))
+        accumulating = k - optimizer_steps if with_optimizer and adjust else 0
+        expected_counts.append(moved + accumulating)
+    assert lrs == pytest.approx(expected_lrs)
+    assert counted == expected_counts
+    assert sched.get_last_lr() == pytest.approx([expected_lrs[-1]])
 
 
 def _dataloader_run(acc, dataset, batch_size, **kwargs):
