@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -53,6 +54,53 @@ def _run(env, *command, timeout=120):
                           timeout=timeout, cwd=ROOT)
 
 
+# Slurm's pmi2 plugin reads at most 1024 bytes of a PMI-1 request; MPICH's UCX netmod sends its
+# node's addresses in segments whose encoded length depends on uninitialised padding, now and
+# then longer, and MPI_Init then aborts or hangs before mpaccel runs (docs/slurm.md). What it
+# hits depends on the processes' memory, which any change of environment shifts: each attempt
+# runs with a padding variable of another length, and a test that hits it every time is an
+# xfail naming the bug, never a pass.
+PMI2_GARBLED = "mpi/pmi2: value not properly terminated in client request"
+ATTEMPTS = 3
+
+
+class Pmi2Garbled(Exception):
+    pass
+
+
+def _attempt_env(env, attempt):
+    return {**env, "MPACCEL_TEST_PADDING": "x" * (37 * attempt)}
+
+
+def _retrying(action):
+    """action(attempt) until it does not raise Pmi2Garbled, at most ATTEMPTS times."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return action(attempt)
+        except Pmi2Garbled as exc:
+            last = exc
+    pytest.xfail(f"MPI_Init hit the MPICH/Slurm pmi2 request-length bug in all {ATTEMPTS} "
+                 f"attempts (docs/slurm.md): {last}")
+
+
+def _srun(env, *args, timeout=120):
+    """srun ARGS (ending a step as soon as one task fails), retried on the pmi2 bug."""
+    def once(attempt):
+        command = ["srun", "--kill-on-bad-exit=1", *args]
+        try:
+            run = _run(_attempt_env(env, attempt), *command, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            stderr = exc.stderr or b""
+            text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
+            if PMI2_GARBLED in text:
+                raise Pmi2Garbled(f"srun timed out after {timeout} s") from exc
+            raise
+        if run.returncode != 0 and PMI2_GARBLED in run.stderr:
+            raise Pmi2Garbled(f"srun exited {run.returncode}")
+        return run
+    return _retrying(once)
+
+
 def _submit(env, tmp_path, template, *args, options=()):
     out = tmp_path / "%x-%j.out"
     result = _run(env, "sbatch", "--parsable", f"--output={out}", *options,
@@ -70,6 +118,11 @@ def _wait(env, job_id, timeout=240, until=TERMINAL, output=None) -> dict[str, st
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = _job(env, job_id)
+        garbled = output is not None and PMI2_GARBLED in _output(output, job_id)
+        if garbled and info.get("JobState") not in TERMINAL:
+            _run(env, "scancel", job_id)  # its tasks may hang in MPI_Init
+        elif garbled:
+            raise Pmi2Garbled(f"job {job_id} ended {info.get('JobState')}")
         if info.get("JobState") in until:
             return info
         time.sleep(0.5)
@@ -98,8 +151,7 @@ def test_srun_layout_on_two_nodes(slurm_env):
     probe = ("from mpaccel import PartialState; s = PartialState(); "
              "print(s.process_index, s.local_process_index, s.node_index, s.num_nodes, "
              "s.num_processes, flush=True)")
-    run = _run(slurm_env, "srun", "--mpi=pmi2", "-N", "2", "--ntasks-per-node=2",
-               "python", "-c", probe)
+    run = _srun(slurm_env, "--mpi=pmi2", "-N", "2", "--ntasks-per-node=2", "python", "-c", probe)
     assert run.returncode == 0, run.stderr
     rows = sorted(tuple(map(int, line.split())) for line in run.stdout.splitlines())
     assert rows == [(0, 0, 0, 2, 4), (1, 1, 0, 2, 4), (2, 0, 1, 2, 4), (3, 1, 1, 2, 4)]
@@ -136,20 +188,28 @@ def test_procid_expanded_by_the_batch_shell(slurm_env, tmp_path):
     ("multi_node.sbatch", "4 process(es) on 2 node(s)"),
 ])
 def test_templates_run_the_example(slurm_env, tmp_path, template, expect):
-    job = _submit(slurm_env, tmp_path, template, "--epochs", "2", "--train-samples", "2000")
-    info = _wait(slurm_env, job, output=tmp_path)
+    def once(attempt):
+        job = _submit(_attempt_env(slurm_env, attempt), tmp_path, template, "--epochs", "2",
+                      "--train-samples", "2000")
+        return job, _wait(slurm_env, job, output=tmp_path)
+    job, info = _retrying(once)
     text = _output(tmp_path, job)
     assert info["JobState"] == "COMPLETED", text
     assert expect in text and "final parameter digest" in text
 
 
 def test_array_sweep(slurm_env, tmp_path):
-    job = _submit(slurm_env, tmp_path, "array.sbatch", "--epochs", "1", "--train-samples",
-                  "1000", options=["--array=0-1", f"--output={tmp_path}/%x-%A_%a.out",
-                                   f"--export=ALL,SWEEP_DIR={tmp_path}/sweep"])
-    for task in ("0", "1"):
-        info = _wait(slurm_env, f"{job}_{task}", output=tmp_path)
-        assert info["JobState"] == "COMPLETED"
+    def once(attempt):
+        shutil.rmtree(tmp_path / "sweep", ignore_errors=True)
+        job = _submit(_attempt_env(slurm_env, attempt), tmp_path, "array.sbatch", "--epochs",
+                      "1", "--train-samples", "1000",
+                      options=["--array=0-1", f"--output={tmp_path}/%x-%A_%a.out",
+                               f"--export=ALL,SWEEP_DIR={tmp_path}/sweep"])
+        for task in ("0", "1"):
+            info = _wait(slurm_env, f"{job}_{task}", output=tmp_path)
+            assert info["JobState"] == "COMPLETED"
+        return job
+    job = _retrying(once)
     outputs = [p.read_text() for p in sorted(tmp_path.glob(f"*-{job}_*.out"))]
     assert len(outputs) == 2 and all("final parameter digest" in o for o in outputs)
     assert "lr 1e-3" in outputs[0] and "lr 3e-3" in outputs[1]
@@ -158,8 +218,8 @@ def test_array_sweep(slurm_env, tmp_path):
 
 def test_preemption_checkpoints_requeues_and_resumes_exactly(slurm_env, tmp_path):
     # The uninterrupted run, same arguments, same number of processes.
-    reference = _run(slurm_env, "srun", "--mpi=pmi2", "-n", "2", "python",
-                     "examples/train.py", *TRAIN_ARGS, timeout=300)
+    reference = _srun(slurm_env, "--mpi=pmi2", "-n", "2", "python", "examples/train.py",
+                      *TRAIN_ARGS, timeout=300)
     assert reference.returncode == 0, reference.stderr
     expected = re.search(r"final parameter digest (\S+) after (\d+) steps", reference.stdout)
     assert expected
@@ -183,3 +243,21 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(slurm_env, tmp_path
     assert "resumed at epoch" in text and "(restart 1)" in text
     assert f"final parameter digest {expected.group(1)} after {expected.group(2)} steps" in text
     assert os.path.isdir(project / "checkpoints")
+
+
+def test_known_pmi2_bug_is_told_apart_and_cancelled(slurm_env, tmp_path):
+    # A job showing the bug's mark is cancelled at once (its tasks may hang in MPI_Init) and
+    # reported as the bug; a job failing otherwise is not.
+    script = tmp_path / "garbled.sbatch"
+    script.write_text(f"#!/bin/bash\necho 'slurmstepd-n1: error: {PMI2_GARBLED}' >&2\nsleep 300\n")
+    job = _submit(slurm_env, tmp_path, str(script))
+    start = time.monotonic()
+    with pytest.raises(Pmi2Garbled):
+        _wait(slurm_env, job, output=tmp_path)
+    assert time.monotonic() - start < 60
+    assert _job(slurm_env, job).get("JobState") == "CANCELLED"
+
+    plain = tmp_path / "fails.sbatch"
+    plain.write_text("#!/bin/bash\necho 'some other error' >&2\nexit 3\n")
+    info = _wait(slurm_env, _submit(slurm_env, tmp_path, str(plain)), output=tmp_path)
+    assert info["JobState"] == "FAILED"
