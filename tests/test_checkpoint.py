@@ -173,7 +173,8 @@ def test_a_cold_load_reads_behind_the_first_rank_of_the_node(mpi_tmp_path, comm,
     (rawio.preadv_following) and every rank still ends up with every byte. The data is read at
     the offsets the index records, without opening HDF5 (whose metadata reads would be small
     waits on the disk before the data streams)."""
-    from mpaccel.checkpoint import rawio, storage
+    from mpaccel.checkpoint import rawio
+    from mpaccel.checkpoint import reader as reader_module
 
     monkeypatch.setattr(rawio, "PIECE", 64 << 10)  # many pieces per tensor
     reset_state()
@@ -211,13 +212,13 @@ def test_a_cold_load_reads_behind_the_first_rank_of_the_node(mpi_tmp_path, comm,
     following = []
     real = rawio.preadv_following
     monkeypatch.setattr(rawio, "preadv_following", lambda *a: following.append(1) or real(*a))
-    opened, real_file = [], storage.CheckpointReader._file
+    opened, real_file = [], reader_module.CheckpointReader._file
 
     def opening(self, name):
         opened.append(name)
         return real_file(self, name)
 
-    monkeypatch.setattr(storage.CheckpointReader, "_file", opening)
+    monkeypatch.setattr(reader_module.CheckpointReader, "_file", opening)
     acc.load_state(target)
     assert opened == []
     for key, value in module.state_dict().items():

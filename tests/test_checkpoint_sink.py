@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mpaccel.checkpoint import rawio, storage
+from mpaccel.checkpoint import reader as reader_module
 from mpaccel.checkpoint import sink as sink_module
 from mpaccel.checkpoint.sink import ErrorKeepingFile
 
@@ -136,7 +137,7 @@ def _reader_for(path, entries, size=None):
     file. With the file's `size` the index vouches for the entries' offsets (reads at them,
     without HDF5); without, everything goes through h5py's metadata, as for a file whose size
     is not the one the index recorded."""
-    reader = storage.CheckpointReader.__new__(storage.CheckpointReader)
+    reader = reader_module.CheckpointReader.__new__(reader_module.CheckpointReader)
     reader.directory, reader.stem, reader.node_share = str(path.parent), "t", (0, 1)
     sizes = {} if size is None else {path.name: size}
     reader.index = {"tensors": entries, "per_rank": [], "components": {}, "file_sizes": sizes}
@@ -156,7 +157,7 @@ def test_reads_fill_given_arrays_in_place_piece_by_piece(monkeypatch, tmp_path, 
     path = tmp_path / "read.h5"
     entries, size = _write_checkpoint_file(path)
     destinations = {key: np.zeros_like(array) for key, array in BIG.items()}
-    events, real_read, real_file = [], rawio.read_arrays, storage.CheckpointReader._file
+    events, real_read, real_file = [], rawio.read_arrays, reader_module.CheckpointReader._file
 
     def reading(tasks, *args, **kwargs):
         events.append(sorted(t.key for t in tasks))
@@ -167,7 +168,7 @@ def test_reads_fill_given_arrays_in_place_piece_by_piece(monkeypatch, tmp_path, 
         return real_file(self, name)
 
     monkeypatch.setattr(rawio, "read_arrays", reading)
-    monkeypatch.setattr(storage.CheckpointReader, "_file", opening)
+    monkeypatch.setattr(reader_module.CheckpointReader, "_file", opening)
     with _reader_for(path, entries, size if vouched else None) as reader:
         got = reader.read_arrays(
             [(key, entries[key], destinations[key], True) for key in BIG]
@@ -257,9 +258,9 @@ def test_uninitialized_lazy_parameters_are_not_read_into():
 
     lazy = torch.nn.LazyLinear(4)
     entry = {"dtype": "float32", "shape": [4, 3]}
-    assert storage._writable_view(lazy.weight, entry) is None
-    assert storage._writable_view(torch.zeros(3, 4).t(), entry) is None  # not contiguous
-    assert storage._writable_view(torch.zeros(4, 3), entry) is not None
+    assert reader_module._writable_view(lazy.weight, entry) is None
+    assert reader_module._writable_view(torch.zeros(3, 4).t(), entry) is None  # not contiguous
+    assert reader_module._writable_view(torch.zeros(4, 3), entry) is not None
 
 
 # -- reading behind another reader (the non-first ranks of a node in a collective load) ---------

@@ -13,7 +13,8 @@ import warnings
 from typing import Any
 
 from .format import CheckpointError, flatten, parse_size, unflatten
-from .storage import CheckpointReader, write_checkpoint
+from .reader import CheckpointReader
+from .storage import write_checkpoint
 from .training_state import apply, collect, read_back
 
 MODEL_STEM = "model"

@@ -7,7 +7,7 @@ import os
 import sys
 
 from .format import CheckpointError
-from .storage import CheckpointReader
+from .reader import CheckpointReader
 
 STEMS = ("state", "model")
 

@@ -199,3 +199,8 @@ def parse_size(size: int | str) -> int:
             if value > 0:
                 return int(value * _UNITS[unit])
     raise ValueError(f"max_shard_size={size!r} is not a size like 10GB, 500MB, 2GiB or 1000000")
+
+
+def dataset_name(component: str, name: str) -> str:
+    """The HDF5 dataset path of tensor `name` of `component` ('/' in names escaped)."""
+    return f"{component}/{name.replace('/', '%2F')}"

@@ -1,6 +1,7 @@
-"""Writing and reading checkpoint directories: HDF5 shards written by all ranks in parallel, and
-a JSON index written last, atomically, by rank 0. The index is the commit: a directory without a
-valid index is not a checkpoint, and files the index does not name are not part of it.
+"""Writing checkpoint directories (reader.py reads them): HDF5 shards written by all ranks in
+parallel, and a JSON index written last, atomically, by rank 0. The index is the commit: a
+directory without a valid index is not a checkpoint, and files the index does not name are not
+part of it.
 
 Call sequence of `write_checkpoint` (collective, every rank, same arguments but `per_rank`):
   1. every rank flattens the same state and computes the same shard plan;
@@ -18,12 +19,11 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import h5py
 import numpy as np
-import torch
 
 from .. import __version__
 from ..comm import Comm
@@ -34,18 +34,12 @@ from .format import (
     CheckpointError,
     checksum,
     contiguous,
+    dataset_name,
     dtype_name,
     flatten,
-    from_numpy,
-    storage_dtype,
     to_numpy,
-    unflatten,
 )
 from .sink import ErrorKeepingFile
-
-
-def _dataset_name(component: str, name: str) -> str:
-    return f"{component}/{name.replace('/', '%2F')}"
 
 
 def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes: int | None):
@@ -158,7 +152,7 @@ def _split(trees: Mapping[str, Any]) -> tuple[dict, dict[str, np.ndarray], dict[
     for component, tree in trees.items():
         documents[component], tensors = flatten(tree, component)
         for name, value in tensors.items():
-            key = _dataset_name(component, name)
+            key = dataset_name(component, name)
             if isinstance(value, np.ndarray):
                 arrays[key], dtypes[key] = contiguous(value), f"numpy.{value.dtype}"
             else:
@@ -284,360 +278,3 @@ def commit_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
     for name in os.listdir(directory):
         if pattern.match(name) and name not in keep:
             os.remove(os.path.join(directory, name))
-
-
-class CheckpointReader:
-    """Read a committed checkpoint. Not collective; every read is checked against the index.
-
-    `node_share=(i, n)`: this process is the i-th of n on its node that read the same shared
-    components at the same time (a collective load; one page cache, so the same bytes). It
-    verifies the checksums of every n-th shared tensor only, starting at the i-th (in sorted key
-    order), so together they verify each tensor once: the caller must make any failure
-    everyone's (load_state ends in a collective agreement). And unless it is the first, it reads
-    behind the first rather than from the disk (rawio.preadv_following). Per-rank files are
-    always read by their own rank and verified in full."""
-
-    def __init__(self, directory: str, stem: str, node_share: tuple[int, int] = (0, 1)) -> None:
-        self.directory = directory
-        self.stem = stem
-        self.node_share = node_share
-        path = os.path.join(directory, f"{stem}.index.json")
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"no checkpoint at {directory!r}: the directory does not exist")
-        try:
-            with open(path) as f:
-                self.index = json.load(f)
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"{directory!r} holds no committed checkpoint: {os.path.basename(path)} is missing",
-                "a save that was interrupted leaves no index; load the previous checkpoint.",
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path!r} is not valid JSON: {exc}") from exc
-        if self.index.get("format") != FORMAT_NAME:
-            raise CheckpointError(f"{path!r} is not an mpaccel checkpoint index")
-        if self.index.get("format_version", 0) > FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path!r} has format version {self.index['format_version']}; this mpaccel "
-                f"reads up to {FORMAT_VERSION}",
-                "upgrade mpaccel to read it.",
-            )
-        self._ordinal = {key: i for i, key in enumerate(sorted(self.index["tensors"]))}
-        self._files: dict[str, h5py.File] = {}
-        self._raw_fds: dict[str, int] = {}
-
-    def close(self) -> None:
-        files, self._files = list(self._files.values()), {}
-        for f in files:
-            f.close()
-        fds, self._raw_fds = list(self._raw_fds.values()), {}
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
-
-    def __enter__(self) -> CheckpointReader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    @property
-    def world_size(self) -> int:
-        return int(self.index["world_size"])
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
-
-    def _file(self, name: str) -> h5py.File:
-        if name not in self._files:
-            try:
-                self._files[name] = h5py.File(self._path(name), "r")
-            except (OSError, FileNotFoundError) as exc:
-                raise CheckpointError(
-                    f"cannot open checkpoint file {self._path(name)!r}: {exc}"
-                ) from exc
-        return self._files[name]
-
-    def _raw(self, entry: Mapping[str, Any]) -> tuple[int, int, np.dtype] | None:
-        """(descriptor, offset, dtype) to read the entry's bytes without HDF5, where the index
-        vouches for them: it recorded the dataset's offset, and the file has the size the index
-        recorded (a file rewritten by another tool, e.g. h5repack, has moved its data and is read
-        through h5py). This spares every rank HDF5's metadata reads, small reads scattered over
-        the file, before the data streams."""
-        offset, name = entry.get("offset"), entry["file"]
-        dtype = storage_dtype(entry["dtype"])
-        if offset is None or dtype is None:
-            return None
-        if name not in self._raw_fds:
-            path = self._path(name)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise CheckpointError(f"cannot open checkpoint file {path!r}: {exc}") from exc
-            if os.fstat(fd).st_size != self.index.get("file_sizes", {}).get(name):
-                os.close(fd)
-                fd = -1
-            self._raw_fds[name] = fd
-        fd = self._raw_fds[name]
-        return (fd, int(offset), dtype) if fd >= 0 else None
-
-    def _verify(self, key: str, array: np.ndarray, entry: Mapping[str, Any]) -> None:
-        if checksum(array) != entry["xxh3"]:
-            raise CheckpointError(
-                f"checksum mismatch for {key!r} in {self._path(entry['file'])!r}: the file is "
-                "corrupted",
-                "restore the file from a copy, or load an earlier checkpoint.",
-            )
-
-    def read_arrays(
-        self,
-        wanted: list[tuple[str, Mapping[str, Any], np.ndarray | None, bool]],
-        follow: bool = False,
-    ) -> dict[str, np.ndarray]:
-        """Read (key, index entry, destination or None, verify) items, on several threads.
-
-        A destination of the right dtype and shape is filled in place (and returned); otherwise a
-        new array is. Tensors at offsets the index vouches for (see _raw()) are read first, by
-        rawio in file order, so the data streams before any HDF5 metadata is read; then those
-        of checkpoints without offsets or rewritten by another tool, through HDF5's metadata
-        (contiguous ones by rawio at the offset HDF5 gives, chunked or filtered ones by h5py).
-        `follow`: another process of this node reads the same items now (rawio.read_arrays)."""
-        out: dict[str, np.ndarray] = {}
-        rejected: list[CheckpointError] = []  # failed checks: raised once everything is read
-
-        def error(task: rawio.ReadTask, exc: BaseException) -> BaseException:
-            if isinstance(exc, CheckpointError):
-                return exc
-            return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
-
-        placed = [(item, self._raw(item[1])) for item in wanted]  # each file opened once
-        for at_offsets in (True, False):
-            tasks = []
-            for (key, entry, dest, verify), raw in placed:
-                if (raw is not None) != at_offsets:
-                    continue
-                try:
-                    task = self._read_one(key, entry, dest, verify, raw, out, rejected)
-                except CheckpointError:
-                    raise
-                except Exception as exc:
-                    path = self._path(entry["file"])
-                    raise CheckpointError(f"cannot read {key!r} from {path!r}: {exc}") from exc
-                if task is not None:
-                    tasks.append(task)
-            if tasks:
-                rawio.read_arrays(tasks, error, follow=follow)
-        if rejected:
-            raise rejected[0]
-        return out
-
-    def _read_one(
-        self,
-        key: str,
-        entry: Mapping[str, Any],
-        dest: np.ndarray | None,
-        verify: bool,
-        raw: tuple[int, int, np.dtype] | None,
-        out: dict[str, np.ndarray],
-        rejected: list[CheckpointError],
-    ) -> rawio.ReadTask | None:
-        """One item of read_arrays (`raw`: what _raw() said of it): puts its array in `out` and
-        returns the rawio task that fills it, or reads it here (through h5py, or empty) and
-        returns None."""
-        path = self._path(entry["file"])
-        offset: int | None
-        if raw is not None:
-            fd, offset, dtype = raw
-            shape: tuple[int, ...] = tuple(entry["shape"])
-            if int(np.prod(shape)) * dtype.itemsize != entry["nbytes"]:
-                raise CheckpointError(
-                    f"the index of {self.directory!r} contradicts itself for {key!r}: "
-                    f"{entry['nbytes']} bytes of {entry['dtype']} {list(shape)}"
-                )
-        else:
-            ds = self._file(entry["file"])[key]
-            if list(ds.shape) != entry["shape"]:
-                raise CheckpointError(
-                    f"{path!r}: {key!r} has shape {ds.shape}, index says {entry['shape']}"
-                )
-            fd, offset, dtype, shape = -1, self._h5_offset(ds), ds.dtype, ds.shape
-        if (
-            dest is None
-            or dest.dtype != dtype
-            or dest.shape != shape
-            or not dest.flags.c_contiguous
-            or not dest.flags.writeable
-        ):
-            dest = np.empty(shape, dtype=dtype)
-        out[key] = dest
-        check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
-        if offset is not None and dest.size:
-            if fd < 0:
-                fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
-            return rawio.ReadTask(key, path, fd, offset, dest, check)
-        if dest.size:
-            ds.read_direct(dest)
-        try:
-            if check:
-                check(dest)
-        except CheckpointError as exc:
-            rejected.append(exc)
-        return None
-
-    @staticmethod
-    def _h5_offset(ds: h5py.Dataset) -> int | None:
-        """The file offset of the dataset's data where it is its array's bytes in one piece."""
-        plist = ds.id.get_create_plist()
-        if (
-            plist.get_layout() == h5py.h5d.CONTIGUOUS
-            and plist.get_nfilters() == 0
-            and plist.get_external_count() == 0
-            and not ds.dtype.hasobject
-            and ds.id.get_storage_size() == ds.size * ds.dtype.itemsize
-        ):
-            return ds.id.get_offset()
-        return None
-
-    def read_array(self, key: str, entry: Mapping[str, Any], verify: bool = True) -> np.ndarray:
-        return self.read_arrays([(key, entry, None, verify)])[key]
-
-    def tensor(self, key: str, verify: bool = True) -> Any:
-        entry = self.index["tensors"].get(key)
-        if entry is None:
-            raise CheckpointError(f"{self.directory!r} has no tensor {key!r}")
-        return self._decode(self.read_array(key, entry, verify), entry["dtype"])
-
-    @staticmethod
-    def _decode(array: np.ndarray, dtype: str) -> Any:
-        if dtype.startswith("numpy."):
-            return array
-        return from_numpy(array, dtype)
-
-    def components(self) -> list[str]:
-        return list(self.index["components"])
-
-    def _plan(
-        self, component: str, document: Any, entries: Mapping[str, Any], into: Any, verify: Any
-    ) -> tuple[list, dict[str, tuple[Any, np.ndarray]]]:
-        """What reading one component's tree takes: the read_arrays items, and the tensors of
-        `into` (a tree of the same shape, e.g. the live state_dict) that match and are filled in
-        place, by dataset key."""
-        targets = flatten(into, component)[1] if into is not None else {}
-        names: list[str] = []
-        unflatten(document, lambda name, kind: names.append(name))
-        wanted = []
-        reuse: dict[str, tuple[Any, np.ndarray]] = {}
-        for name in names:
-            key = _dataset_name(component, name)
-            entry = entries.get(key)
-            if entry is None:
-                raise CheckpointError(f"{self.directory!r}: the index names no tensor {key!r}")
-            view = _writable_view(targets.get(name), entry)
-            if view is not None:
-                reuse[key] = (targets[name], view)
-            wanted.append((key, entry, view, verify(key)))
-        return wanted, reuse
-
-    def _build(
-        self,
-        component: str,
-        document: Any,
-        entries: Mapping[str, Any],
-        arrays: Mapping[str, np.ndarray],
-        reuse: Mapping[str, tuple[Any, np.ndarray]],
-    ) -> Any:
-        def load(name: str, kind: str) -> Any:
-            key = _dataset_name(component, name)
-            if key in reuse and arrays[key] is reuse[key][1]:
-                return reuse[key][0]  # filled in place
-            return self._decode(arrays[key], entries[key]["dtype"])
-
-        return unflatten(document, load)
-
-    def component(self, component: str, verify: bool = True, into: Any = None) -> Any:
-        """The component's state tree. `into`: a tree whose matching tensors (same dtype and
-        shape, contiguous, in host memory) are filled in place and returned as they are: no
-        new memory and no second copy, but a failed read leaves them partly overwritten."""
-        return self.read_components([(component, into)], verify)[component]
-
-    def read_components(
-        self, requests: Sequence[tuple[str, Any]], verify: bool = True
-    ) -> dict[str, Any]:
-        """{component: tree} for (component, into) requests (see component()), read in one pass
-        in file order: a file holds tensors of several components (shard i has part of every
-        model and optimizer), and reading it once from start to end, rather than once per
-        component, keeps the disk streaming."""
-        missing = [c for c, _ in requests if c not in self.index["components"]]
-        if missing:
-            raise CheckpointError(
-                f"{self.directory!r} has no {missing[0]!r} (it has {self.components()})"
-            )
-        documents, entries = self.index["components"], self.index["tensors"]
-        index, count = self.node_share
-
-        def verify_key(key: str) -> bool:
-            return verify and self._ordinal[key] % count == index
-
-        plans = [self._plan(c, documents[c], entries, into, verify_key) for c, into in requests]
-        arrays = self.read_arrays([item for wanted, _ in plans for item in wanted], index > 0)
-        return {
-            c: self._build(c, documents[c], entries, arrays, reuse)
-            for (c, _), (_, reuse) in zip(requests, plans, strict=True)
-        }
-
-    def rank_component(self, rank: int, component: str, verify: bool = True) -> Any:
-        part = self.index["per_rank"][rank]
-        document, entries = part["components"][component], part["tensors"]
-        wanted, reuse = self._plan(component, document, entries, None, lambda key: verify)
-        return self._build(component, document, entries, self.read_arrays(wanted), reuse)
-
-    def verify(self) -> list[str]:
-        """Check every tensor's checksum, and that HDF5 places it where the index does; returns
-        the problems found (empty: all good)."""
-        problems = []
-        entries = list(self.index["tensors"].items())
-        for part in self.index["per_rank"]:
-            entries.extend(part["tensors"].items())
-        for key, entry in entries:
-            try:
-                self._check_layout(key, entry)
-                self.read_array(key, entry, verify=True)
-            except CheckpointError as exc:
-                problems.append(str(exc))
-        return problems
-
-    def _check_layout(self, key: str, entry: Mapping[str, Any]) -> None:
-        """Where loads read the entry's bytes at the index's offset, check that HDF5 agrees."""
-        if self._raw(entry) is None:
-            return
-        ds = self._file(entry["file"])[key]
-        found = (self._h5_offset(ds), list(ds.shape), ds.dtype)
-        if found != (entry["offset"], entry["shape"], storage_dtype(entry["dtype"])):
-            raise CheckpointError(
-                f"{self._path(entry['file'])!r}: HDF5 has {key!r} at offset {found[0]} as "
-                f"{found[2]} {found[1]}, the index says offset {entry['offset']}, "
-                f"{entry['dtype']} {entry['shape']}",
-                "the file was changed after the save; restore it, or load an earlier checkpoint.",
-            )
-
-
-def _writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:
-    """A numpy view of `tensor`'s memory if the entry's bytes can be read straight into it
-    (None for anything else: GPU, sparse, non-contiguous or uninitialized lazy tensors...)."""
-    if not isinstance(tensor, torch.Tensor) or torch.nn.parameter.is_lazy(tensor):
-        return None
-    try:
-        if (
-            tensor.device.type != "cpu"
-            or tensor.layout != torch.strided
-            or not tensor.is_contiguous()
-            or dtype_name(tensor.dtype) != entry["dtype"]
-            or list(tensor.shape) != entry["shape"]
-        ):
-            return None
-        view = to_numpy(tensor)
-    except Exception:
-        return None
-    if not view.flags.writeable or view.ctypes.data != tensor.data_ptr():
-        return None
-    return view
