@@ -420,3 +420,25 @@ def test_a_cold_read_from_a_local_disk_takes_one_thread_a_cached_one_several(
         assert rawio.read_threads(tasks) == 3  # now it is in the page cache
     finally:
         os.close(fd)
+
+
+def test_checksum_owners_split_bytes_not_tensors():
+    # One large matrix first in the file, then many small vectors: by count, the reader owning
+    # the matrix would hash ~all of the bytes; by bytes, the shares are even within a tensor.
+    entries = {"a/big": {"file": "s0.h5", "offset": 0, "nbytes": 600}}
+    entries.update({f"b/v{i:02d}": {"file": "s0.h5", "offset": 600 + 20 * i, "nbytes": 20}
+                    for i in range(30)})
+    entries["c/next"] = {"file": "s1.h5", "offset": 0, "nbytes": 400}
+    total = sum(e["nbytes"] for e in entries.values())
+    for count in (1, 2, 3, 4):
+        owners = reader_module.checksum_owners(entries, count)
+        assert set(owners) == set(entries) and set(owners.values()) <= set(range(count))
+        order = sorted(entries, key=lambda k: (entries[k]["file"], entries[k]["offset"]))
+        assert [owners[k] for k in order] == sorted(owners[k] for k in order)  # runs
+        shares = [sum(e["nbytes"] for k, e in entries.items() if owners[k] == r)
+                  for r in range(count)]
+        assert all(abs(share - total / count) <= 600 for share in shares), shares
+    assert reader_module.checksum_owners(entries, 2)["a/big"] == 0
+    assert reader_module.checksum_owners(entries, 2)["c/next"] == 1
+    empty = {"x": {"file": "s0.h5", "offset": None, "nbytes": 0}}
+    assert reader_module.checksum_owners(empty, 4) == {"x": 0}

@@ -34,8 +34,8 @@ class CheckpointReader:
 
     `node_share=(i, n)`: this process is the i-th of n on its node that read the same shared
     components at the same time (a collective load; one page cache, so the same bytes). It
-    verifies the checksums of every n-th shared tensor only, starting at the i-th (in sorted key
-    order), so together they verify each tensor once: the caller must make any failure
+    verifies the checksums of its share of the shared tensors only (checksum_owners: about 1/n
+    of the bytes each), so together they verify each tensor once: the caller must make any failure
     everyone's (load_state ends in a collective agreement). And unless it is the first, it reads
     behind the first rather than from the disk (rawio.preadv_following). Per-rank files are
     always read by their own rank and verified in full."""
@@ -65,7 +65,6 @@ class CheckpointReader:
                 f"reads up to {FORMAT_VERSION}",
                 "upgrade mpaccel to read it.",
             )
-        self._ordinal = {key: i for i, key in enumerate(sorted(self.index["tensors"]))}
         self._files: dict[str, h5py.File] = {}
         self._raw_fds: dict[str, int] = {}
 
@@ -318,8 +317,10 @@ class CheckpointReader:
         documents, entries = self.index["components"], self.index["tensors"]
         index, count = self.node_share
 
+        owners = checksum_owners(entries, count) if count > 1 else {}
+
         def verify_key(key: str) -> bool:
-            return verify and self._ordinal[key] % count == index
+            return verify and owners.get(key, 0) == index
 
         plans = [self._plan(c, documents[c], entries, into, verify_key) for c, into in requests]
         arrays = self.read_arrays([item for wanted, _ in plans for item in wanted], index > 0)
@@ -384,3 +385,19 @@ def _writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:
     if not view.flags.writeable or view.ctypes.data != tensor.data_ptr():
         return None
     return view
+
+
+def checksum_owners(entries: Mapping[str, Mapping[str, Any]], count: int) -> dict[str, int]:
+    """{key: which of `count` readers verifies it}: the tensors in file order (file, offset),
+    cut into `count` runs of about equal bytes; a tensor belongs to the run holding its middle
+    byte. By bytes, not by number of tensors: a model's few large matrices and many small
+    vectors would otherwise leave one reader hashing most of the data while the others wait."""
+    order = sorted(entries, key=lambda k: (entries[k]["file"], entries[k].get("offset") or 0, k))
+    total = sum(int(entries[k].get("nbytes", 0)) for k in order)
+    owners, start = {}, 0
+    for key in order:
+        size = int(entries[key].get("nbytes", 0))
+        middle = start + size / 2
+        owners[key] = min(count - 1, int(middle * count / total)) if total else 0
+        start += size
+    return owners
