@@ -41,6 +41,8 @@ Throughput = state bytes (tensors of the model and optimizer state dicts) / seco
 same round, round by round (the disk's slow phases outlast one method's turn).
 mpaccel saves are also broken down per phase (timers wrapped around mpaccel's functions from
 outside: to_numpy, create_dataset, data writes/reads, checksum, HDF5 close, collectives).
+CPU steal (/proc/stat: time the hypervisor gave to other guests) is recorded per round, so a
+slow round can be told apart from a slow method.
 
 Usage (from the repository root, mpaccel's venv active):
 
@@ -339,6 +341,25 @@ def dd_read_many(path: str, count: int) -> float:
     return max(seconds)
 
 
+def cpu_times() -> list[int] | None:
+    """The machine's cumulative CPU times from /proc/stat (user ... steal), None without it."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_fraction(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Share of the CPU time between two cpu_times() that the hypervisor gave to others (steal):
+    a round with much of it is slow for reasons outside this machine."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return None
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(delta)
+    return delta[7] / total if total > 0 else None
+
+
 def drop_caches() -> bool:
     os.sync()
     try:
@@ -563,14 +584,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             measure(method, record=False)
     methods = [m for m in METHODS if m in args.methods.split(",")]
     shuffler = random.Random(args.seed)  # the same order on every rank
+    steal: list[float | None] = []  # the hypervisor's share of this machine's CPU time, per round
     for r in range(args.rounds):
         # A fresh order every round: each method follows each other one (the file it deletes,
         # the memory it frees) about equally often; slow phases hit every method alike.
         order = shuffler.sample(methods, len(methods))
         if rank == 0 and args.verbose:
             print(f"round {r + 1}/{args.rounds}: {' '.join(order)}", flush=True)
+        before = cpu_times()
         for method in order:
             measure(method, record=True)
+        steal.append(steal_fraction(before, cpu_times()))
 
     report = {
         "ranks": world.size,
@@ -586,6 +610,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefault_seconds_max": max((t for _, t in prefaults), default=None),
         "seconds": results,
         "mpaccel_phases": breakdown,
+        "steal_per_round": steal,
         "versions": versions(),
     }
     if rank == 0:
@@ -706,6 +731,9 @@ def print_table(report: dict[str, Any]) -> None:
             f"dd x {report['ranks']} (that many readers at once, cold): {cell('dd', 'cold_n')} "
             f"GiB/s; mpaccel cold load / that: {med['mpaccel']['cold'] / med['dd']['cold_n']:.2f}"
         )
+    steal = [f"{100 * v:.1f}%" if v is not None else "?" for v in report.get("steal_per_round", [])]
+    if steal:
+        print(f"CPU steal (hypervisor) per round: {' '.join(steal)}")
     if report["prefault_gib"]:
         print(
             f"\nprefault before each timed step: {report['prefault_gib'][0]:.1f} GiB (mpaccel), "
