@@ -114,6 +114,24 @@ def preadv_all(fd: int, view: memoryview, offset: int) -> int:
 _nowait_reads = hasattr(os, "RWF_NOWAIT")  # cleared once the kernel refuses buffered NOWAIT
 
 
+def _preadv_nowait(fd: int, view: memoryview, offset: int) -> int | None:
+    """preadv2 with RWF_NOWAIT: the bytes copied from the page cache (0 at end of file), -1
+    where the first of them is not cached, None where the kernel refuses such reads (then it is
+    not asked again)."""
+    global _nowait_reads
+    if not _nowait_reads:
+        return None
+    try:
+        return os.preadv(fd, [view], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return -1
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        _nowait_reads = False
+        return None
+
+
 def preadv_following(fd: int, view: memoryview, offset: int) -> int:
     """preadv_all for a process that trails another one reading the same bytes of the same file
     on this node (the node's first rank, during a collective load): copy only what is already in
@@ -125,18 +143,11 @@ def preadv_following(fd: int, view: memoryview, offset: int) -> int:
     After FOLLOW_PATIENCE without progress (nobody else is reading these bytes) it reads the rest
     of `view` with a blocking read. Where buffered RWF_NOWAIT reads are not supported (not Linux,
     old kernels, some file systems) it is preadv_all."""
-    global _nowait_reads
     done = 0
     waited = 0.0
-    while done < len(view) and _nowait_reads:
-        try:
-            count = os.preadv(fd, [view[done:]], offset + done, os.RWF_NOWAIT)
-        except BlockingIOError:
-            count = -1
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            _nowait_reads = False
+    while done < len(view):
+        count = _preadv_nowait(fd, view[done:], offset + done)
+        if count is None:
             break
         if count == 0:
             return done  # end of file
@@ -163,14 +174,11 @@ def _on_local_disk(fd: int) -> bool:
 def _cached(fd: int, offset: int) -> bool | None:
     """Is the byte at `offset` in the page cache? None where the kernel cannot tell. A miss
     may start the kernel's readahead there, which the read that follows wants anyway."""
-    if not _nowait_reads:
-        return None
     try:
-        return os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT) == 1
-    except BlockingIOError:
-        return False
+        count = _preadv_nowait(fd, memoryview(bytearray(1)), offset)
     except OSError:
         return None
+    return None if count is None else count == 1
 
 
 def read_threads(tasks: Sequence[ReadTask]) -> int:
