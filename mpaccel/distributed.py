@@ -84,6 +84,76 @@ def choose_master_addr(info: ProcessInfo, env: _env.Snapshot | None = None) -> s
     return routable_address()
 
 
+def check_master_addr(address: str) -> None:
+    """Not collective; rank 0, before it opens its store: MPACCEL_MASTER_ADDR=`address` must
+    resolve, and to an address of this host (one rank 0 can listen on). Unchecked, the store's
+    own client retries such an address for longer than the timeout, the other ranks waiting."""
+    host = socket.gethostname()
+    hint = (
+        f"set MPACCEL_MASTER_ADDR to an address or hostname of {host} (the node running "
+        "rank 0) that the other nodes can reach, or unset it to let mpaccel choose."
+    )
+    try:
+        found = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise LaunchError(
+            f"MPACCEL_MASTER_ADDR={address!r} does not resolve on {host} (rank 0): {exc}", hint
+        ) from exc
+    refused: OSError | None = None
+    for family, kind, proto, _, sockaddr in found:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(sockaddr)  # an address of another host fails here: EADDRNOTAVAIL
+                probe.listen(1)
+            return
+        except OSError as exc:
+            refused = refused or exc
+    resolved = ", ".join(dict.fromkeys(str(sockaddr[0]) for *_, sockaddr in found))
+    shown = "" if resolved == address else f" ({resolved})"
+    raise LaunchError(
+        f"MPACCEL_MASTER_ADDR={address!r}{shown} is not an address of {host} (rank 0): "
+        f"cannot listen on it: {refused}",
+        hint,
+    ) from refused
+
+
+def _address_origin(env: _env.Snapshot | None = None) -> str | None:
+    """Which override gave choose_master_addr() its answer, for error messages."""
+    explicit = _env.get("master_addr", env)
+    if explicit:
+        return f"MPACCEL_MASTER_ADDR={explicit!r}"
+    ifname = _env.get("ifname", env)
+    if ifname:
+        return f"MPACCEL_IFNAME={ifname!r}"
+    return None
+
+
+def _join_error(
+    info: ProcessInfo, endpoint: tuple[str, int, str | None, str], exc: Exception
+) -> LaunchError:
+    """This rank's failure to join rank 0's rendezvous at `endpoint` (as rank 0 broadcast it)."""
+    host, port, origin, rank0_host = endpoint
+    where = f"{host}:{port}" + (f" ({origin})" if origin else "")
+    data_plane = "for gloo also GLOO_SOCKET_IFNAME, for NCCL NCCL_SOCKET_IFNAME."
+    if origin is None:
+        hint = (
+            "on multi-homed nodes set MPACCEL_MASTER_ADDR=<address of rank 0 reachable from "
+            f"all nodes> or MPACCEL_IFNAME=<interface, e.g. ib0>; {data_plane}"
+        )
+    else:
+        hint = (
+            f"{origin} must give an address of {rank0_host} (the node running rank 0) that "
+            f"every node can reach: set another, or unset it to let mpaccel choose; {data_plane}"
+        )
+    error = LaunchError(
+        f"rank {info.process_index} on {info.hostname} could not join the process group at "
+        f"{where}: {exc}",
+        hint,
+    )
+    error.__cause__ = exc
+    return error
+
+
 def backend_for(device: torch.device, requested: str | None) -> str:
     """NCCL for CUDA devices, gloo for CPU, unless the user asked for something that can work."""
     if requested is None:
@@ -135,35 +205,44 @@ def init_process_group(
         dist.init_process_group(**kwargs)
         return chosen
     store_timeout = timeout or timedelta(minutes=30)
+    # A rank that cannot reach the store gives up after store_timeout, give or take torch's
+    # backoff sleeps (3.2 s for 2 on a loaded node). Rank 0 has nothing to connect to and waits
+    # in the verdicts that follow: they allow more, lest rank 0 time out there first.
+    verdict_timeout = 2 * store_timeout.total_seconds() + 10.0
     error: BaseException | None = None
     store = None
     endpoint = None
     if info.is_main_process:
         try:
+            explicit = _env.get("master_addr")
+            if explicit:
+                check_master_addr(explicit)
             host = choose_master_addr(info)
             store = dist.TCPStore(
                 host, 0, info.num_processes, True, store_timeout, wait_for_workers=False
             )
-            endpoint = (host, store.port)
+            endpoint = (host, store.port, _address_origin(), info.hostname)
         except Exception as exc:
             error = exc
     comm.agree(error, "torch.distributed rendezvous (opening the store on rank 0)")
-    host, port = comm.bcast(endpoint, root=0, what="torch.distributed rendezvous")
+    endpoint = comm.bcast(endpoint, root=0, what="torch.distributed rendezvous")
+    host, port = endpoint[:2]
     error = None
-    try:
-        if store is None:
+    # Everyone connects before anyone starts the backend: a rank that cannot reach rank 0 is
+    # reported by every rank, instead of rank 0 waiting in gloo's or NCCL's own connection.
+    if store is None:
+        try:
             store = dist.TCPStore(host, port, info.num_processes, False, store_timeout)
+        except Exception as exc:
+            error = _join_error(info, endpoint, exc)
+    comm.agree(
+        error, "torch.distributed rendezvous (connecting to rank 0's store)", verdict_timeout
+    )
+    try:
         dist.init_process_group(store=store, **kwargs)
     except Exception as exc:
-        error = LaunchError(
-            f"rank {info.process_index} on {info.hostname} could not join the process group at "
-            f"{host}:{port}: {exc}",
-            "on multi-homed nodes set MPACCEL_MASTER_ADDR=<address of rank 0 reachable from "
-            "all nodes> or MPACCEL_IFNAME=<interface, e.g. ib0>; for gloo also "
-            "GLOO_SOCKET_IFNAME, for NCCL NCCL_SOCKET_IFNAME.",
-        )
-        error.__cause__ = exc
-    comm.agree(error, "torch.distributed rendezvous")
+        error = _join_error(info, endpoint, exc)
+    comm.agree(error, "torch.distributed rendezvous", verdict_timeout)
     return chosen
 
 
