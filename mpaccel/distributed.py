@@ -70,15 +70,23 @@ def routable_address() -> str:
     return address
 
 
+def address_override(env: _env.Snapshot | None = None) -> tuple[str, str] | None:
+    """(logical name, value) of the variable that decides rank 0's address, MPACCEL_MASTER_ADDR
+    before MPACCEL_IFNAME; None when neither is set."""
+    for logical in ("master_addr", "ifname"):
+        value = _env.get(logical, env)
+        if value:
+            return logical, value
+    return None
+
+
 def choose_master_addr(info: ProcessInfo, env: _env.Snapshot | None = None) -> str:
     """Address rank 0 listens on: MPACCEL_MASTER_ADDR, else MPACCEL_IFNAME's, else loopback for a
     single node, else this host's routable address."""
-    explicit = _env.get("master_addr", env)
-    if explicit:
-        return explicit
-    ifname = _env.get("ifname", env)
-    if ifname:
-        return interface_address(ifname)
+    override = address_override(env)
+    if override is not None:
+        logical, value = override
+        return value if logical == "master_addr" else interface_address(value)
     if info.num_nodes == 1:
         return "127.0.0.1"
     return routable_address()
@@ -115,17 +123,6 @@ def check_master_addr(address: str) -> None:
         f"cannot listen on it: {refused}",
         hint,
     ) from refused
-
-
-def _address_origin(env: _env.Snapshot | None = None) -> str | None:
-    """Which override gave choose_master_addr() its answer, for error messages."""
-    explicit = _env.get("master_addr", env)
-    if explicit:
-        return f"MPACCEL_MASTER_ADDR={explicit!r}"
-    ifname = _env.get("ifname", env)
-    if ifname:
-        return f"MPACCEL_IFNAME={ifname!r}"
-    return None
 
 
 def _join_error(
@@ -214,14 +211,19 @@ def init_process_group(
     endpoint = None
     if info.is_main_process:
         try:
-            explicit = _env.get("master_addr")
-            if explicit:
-                check_master_addr(explicit)
-            host = choose_master_addr(info)
+            env = _env.snapshot()
+            override = address_override(env)
+            origin = None
+            if override is not None:
+                logical, value = override
+                origin = f"{_env.source_name(logical, env)}={value!r}"
+                if logical == "master_addr":
+                    check_master_addr(value)
+            host = choose_master_addr(info, env)
             store = dist.TCPStore(
                 host, 0, info.num_processes, True, store_timeout, wait_for_workers=False
             )
-            endpoint = (host, store.port, _address_origin(), info.hostname)
+            endpoint = (host, store.port, origin, info.hostname)
         except Exception as exc:
             error = exc
     comm.agree(error, "torch.distributed rendezvous (opening the store on rank 0)")
