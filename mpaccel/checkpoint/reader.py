@@ -316,11 +316,10 @@ class CheckpointReader:
             )
         documents, entries = self.index["components"], self.index["tensors"]
         index, count = self.node_share
-
-        owners = checksum_owners(entries, count) if count > 1 else {}
+        owners = checksum_owners(entries, count)
 
         def verify_key(key: str) -> bool:
-            return verify and owners.get(key, 0) == index
+            return verify and owners[key] == index
 
         plans = [self._plan(c, documents[c], entries, into, verify_key) for c, into in requests]
         arrays = self.read_arrays([item for wanted, _ in plans for item in wanted], index > 0)
