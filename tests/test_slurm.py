@@ -116,13 +116,14 @@ def _job(env, job_id) -> dict[str, str]:
 
 def _wait(env, job_id, timeout=240, until=TERMINAL, output=None) -> dict[str, str]:
     deadline = time.monotonic() + timeout
+    cancelled = False
     while time.monotonic() < deadline:
         info = _job(env, job_id)
-        garbled = output is not None and PMI2_GARBLED in _output(output, job_id)
-        if garbled and info.get("JobState") not in TERMINAL:
-            _run(env, "scancel", job_id)  # its tasks may hang in MPI_Init
-        elif garbled:
-            raise Pmi2Garbled(f"job {job_id} ended {info.get('JobState')}")
+        if output is not None and PMI2_GARBLED in _output(output, job_id):
+            if info.get("JobState") in TERMINAL:
+                raise Pmi2Garbled(f"job {job_id} ended {info.get('JobState')}")
+            if not cancelled:  # its tasks may hang in MPI_Init
+                cancelled = _run(env, "scancel", job_id).returncode == 0
         if info.get("JobState") in until:
             return info
         time.sleep(0.5)
