@@ -136,9 +136,11 @@ class PartialState:
             self._check_same(cpu)
             return
         pg = InitProcessGroupKwargs(**kwargs)
-        timeout = pg.timeout
+        # One deadline for mpaccel's own collectives and for torch.distributed's (store,
+        # gloo/NCCL): InitProcessGroupKwargs(timeout=), else MPACCEL_TIMEOUT, else 30 min.
         env_timeout = _env.get_float("timeout")
-        default_timeout = timeout.total_seconds() if timeout else env_timeout or DEFAULT_TIMEOUT
+        timeout = pg.timeout or (timedelta(seconds=env_timeout) if env_timeout else None)
+        default_timeout = timeout.total_seconds() if timeout else DEFAULT_TIMEOUT
         found = _discover(default_timeout)
         found.comm.default_timeout = default_timeout  # type: ignore[attr-defined]
         info = found.info

@@ -84,6 +84,36 @@ def test_init_process_group_kwargs(comm):
         InitProcessGroupKwargs(timeout=-1)
 
 
+def test_one_timeout_for_mpaccel_and_torch_distributed(comm, monkeypatch):
+    """MPACCEL_TIMEOUT (or InitProcessGroupKwargs(timeout=), which wins) is the deadline of
+    mpaccel's collectives and of the torch.distributed process group alike."""
+    from mpaccel import distributed
+
+    given = []
+    real = distributed.init_process_group
+
+    def spy(*args, **kwargs):
+        given.append(args[5] if len(args) > 5 else kwargs.get("timeout"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distributed, "init_process_group", spy)
+    cases = [
+        ({"MPACCEL_TIMEOUT": "55"}, {}, 55),
+        ({"MPACCEL_TIMEOUT": "55"}, {"timeout": timedelta(seconds=66)}, 66),
+        ({}, {}, None),
+    ]
+    for env, kwargs, seconds in cases:
+        monkeypatch.delenv("MPACCEL_TIMEOUT", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        AcceleratorState._reset_state(True)
+        state = PartialState(**InitProcessGroupKwargs(**kwargs).to_kwargs())
+        expected = timedelta(seconds=seconds) if seconds else None
+        assert given[-1] == expected, (env, kwargs)
+        assert state.default_timeout == (seconds or 1800)
+    AcceleratorState._reset_state(True)
+
+
 def test_accelerator_state_and_mixed_precision(comm):
     AcceleratorState._reset_state(True)
     acc_state = AcceleratorState(mixed_precision="bf16")
