@@ -42,7 +42,11 @@ def test_ls(saved):
     assert weight.split()[-1].startswith("model-") and weight.endswith(".h5")
     assert lines[-1] == "4 tensors, 92 B in 2 shard(s)"  # 48 + 12 + 24 + 8 bytes, 60 B shards
     state = _cli("ls", str(root / "state"))
-    assert "model_0/1.bias" in state.stdout and "per-rank file(s)" in state.stdout
+    lines = state.stdout.splitlines()
+    assert any(line.startswith("model_0/1.bias ") for line in lines)
+    rng = next(line for line in lines if line.startswith("rank 0: rng/torch "))
+    assert rng.split()[3:5] == ["uint8", "5056"] and rng.endswith("-rank00000.h5")
+    assert lines[-1].endswith("per-rank tensors in 1 per-rank file(s)"), lines[-1]
 
 
 def test_verify_detects_a_flipped_byte(saved):

@@ -38,17 +38,24 @@ def run_ls(args: argparse.Namespace) -> int:
         index = reader.index
         print(f"{args.directory}: {reader.stem} checkpoint, format {index['format_version']}, "
               f"written by {index['world_size']} process(es) at {index['created']}")
-        rows = [("tensor", "dtype", "shape", "size", "shard")]
-        total = 0
-        for key, entry in sorted(index["tensors"].items()):
+        # shared tensors, then each rank's own (RNG states...), named "rank R: key"
+        entries = sorted(index["tensors"].items())
+        for rank, part in enumerate(index["per_rank"]):
+            entries += [(f"rank {rank}: {key}", e) for key, e in sorted(part["tensors"].items())]
+        rows = [("tensor", "dtype", "shape", "size", "file")]
+        for key, entry in entries:
             rows.append((key, entry["dtype"], "x".join(map(str, entry["shape"])) or "scalar",
                          _size(entry["nbytes"]), entry["file"]))
-            total += entry["nbytes"]
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-        print(f"{len(rows) - 1} tensors, {_size(total)} in {len(index['shards'])} shard(s)"
-              + (f", {len(index['per_rank'])} per-rank file(s)" if index["per_rank"] else ""))
+        total = sum(entry["nbytes"] for entry in index["tensors"].values())
+        shards = len(index["shards"])
+        summary = f"{len(index['tensors'])} tensors, {_size(total)} in {shards} shard(s)"
+        if index["per_rank"]:
+            own = sum(len(part["tensors"]) for part in index["per_rank"])
+            summary += f"; {own} per-rank tensors in {len(index['per_rank'])} per-rank file(s)"
+        print(summary)
     return 0
 
 
