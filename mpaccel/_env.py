@@ -59,6 +59,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "mixed_precision": ("MPACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"),
     "use_cpu": ("MPACCEL_USE_CPU", "ACCELERATE_USE_CPU"),
     "io_threads": ("MPACCEL_IO_THREADS",),
+    "mpi_progress": ("MPACCEL_MPI_PROGRESS",),
     "test_timeout": ("MPACCEL_TEST_TIMEOUT",),
     "mpiexec": ("MPACCEL_MPIEXEC",),
     "ci": ("CI",),

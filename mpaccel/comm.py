@@ -13,8 +13,10 @@ branch on "am I distributed".
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -34,6 +36,7 @@ from .errors import (
 _TAG_QUERY = 7301
 _TAG_REPLY = 7302
 _TAG_ALERT = 7303
+_TAG_PROGRESS = 7304  # probed by ProgressThread, never sent
 
 # Waiting has three phases. Spin: test in a tight loop (everyone is there: raw-MPI latency).
 # Yield: test, then sched_yield() so a rank that shares this core and still works (more ranks
@@ -179,6 +182,55 @@ class NullComm:
         return None
 
 
+class ProgressThread:
+    """Turns MPI's progress engine every `interval` seconds from a thread of its own, for MPI
+    libraries that move messages only while the sending rank is inside an MPI call ("manual"
+    progress: MPICH over libfabric's tcp provider, for one). There, a rank can finish a collective
+    with its last message still queued, then block outside MPI (in gloo's gradient all-reduce,
+    on the disk) while a peer waits in MPI for that message: both wait forever. Measured:
+    `examples/train.py` at n=2 with `MPIR_CVAR_CH4_NETMOD=ofi MPIR_CVAR_NOLOCAL=1` hung in its
+    first broadcast (rank 0 had gone on to backward()) every time; with this thread it runs.
+
+    It probes `comm` (mpaccel's diagnostics communicator) for a tag nobody sends: the probe only
+    drives progress. (A probe of MPI_COMM_SELF did not: MPICH answers it without the network.)
+    It sleeps between probes (MPICH's own MPIR_CVAR_ASYNC_PROGRESS thread spins, taking a
+    core). Needs MPI_THREAD_MULTIPLE."""
+
+    def __init__(self, comm: Any, interval: float) -> None:
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise MpaccelError(
+                "MPACCEL_MPI_PROGRESS needs MPI initialised with MPI_THREAD_MULTIPLE",
+                "leave mpi4py.rc.thread_level at its default ('multiple'), or use an MPI "
+                "library that provides it.",
+            )
+        self.interval = interval
+        self._comm = comm
+        self._any = MPI.ANY_SOURCE
+        self._finalized = MPI.Is_finalized
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpaccel-mpi-progress", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # runs before mpi4py finalizes MPI (registered earlier)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self._finalized():
+                return
+            self._comm.Iprobe(source=self._any, tag=_TAG_PROGRESS)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Idempotent; returns once the thread has made its last MPI call."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
 class MPIComm:
     """Adapter over an mpi4py communicator (duplicated, so mpaccel's traffic stays apart)."""
 
@@ -206,6 +258,12 @@ class MPIComm:
         self._recv = np.zeros(1, dtype=np.int64)
         self._persistent: dict[str, Any] = {}
         self._set_up_persistent()
+        self.progress: ProgressThread | None = None
+
+    def keep_progressing(self, interval: float) -> None:
+        """Not collective. Start a ProgressThread (MPACCEL_MPI_PROGRESS; see there)."""
+        if self.progress is None:
+            self.progress = ProgressThread(self._diag, interval)
 
     def oversubscribed(self) -> None:
         """Not collective. This node runs more ranks than they have cores (discovery says so):
@@ -423,6 +481,8 @@ class MPIComm:
         self._MPI.COMM_WORLD.Abort(code)
 
     def finalize(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
         if not self._MPI.Is_finalized():
             for request in self._persistent.values():
                 request.Free()

@@ -117,6 +117,9 @@ def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) 
         )
 
     mpi_comm = MPIComm(world, default_timeout)
+    progress_ms = _env.get_float("mpi_progress", env)
+    if progress_ms is not None and progress_ms > 0:
+        mpi_comm.keep_progressing(progress_ms / 1000.0)
     key = launcher.node_key()
     if key is None:
         local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())

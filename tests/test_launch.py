@@ -57,6 +57,58 @@ def test_init_process_group_timeout_reaches_the_process_group(tmp_path):
     assert [line.split() for line in run.stdout] == [["77.0", "77.0"]] * 2, run.describe()
 
 
+def test_mpaccel_timeout_reaches_the_process_group(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import torch, torch.distributed as dist
+        from mpaccel import Accelerator
+        acc = Accelerator()
+        gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+        print(gloo.options._timeout.total_seconds(), acc.state.default_timeout)
+    """,
+    )
+    run = run_mpi([script], n=2, timeout=120, env={"MPACCEL_TIMEOUT": "55"}).check()
+    assert [line.split() for line in run.stdout] == [["55.0", "55.0"]] * 2, run.describe()
+
+
+# Rank 0 leaves a broadcast (its message may still be queued) and blocks in gloo, where rank 1
+# must join it once it has the broadcast's message. MPICH over libfabric's tcp provider, every
+# rank as if on a node of its own, moves messages only while their sender is inside MPI.
+_PROGRESS_JOB = """
+    import threading, torch, torch.distributed as dist
+    from mpaccel import PartialState
+    state = PartialState(cpu=True)
+    seed = state.comm.bcast(12345 if state.is_main_process else None, what="seed")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    alive = any(t.name == "mpaccel-mpi-progress" for t in threading.enumerate())
+    print(seed, int(total.item()), alive)
+"""
+_MANUAL_PROGRESS = {"MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_NOLOCAL": "1"}
+
+
+def _needs_mpich():
+    from mpi4py import MPI
+
+    if "MPICH" not in MPI.Get_library_version():
+        pytest.skip("the manual-progress set-up is MPICH's (libfabric netmod, NOLOCAL)")
+
+
+def test_progress_thread_unblocks_a_manual_progress_mpi(tmp_path):
+    _needs_mpich()
+    env = {**_MANUAL_PROGRESS, "MPACCEL_MPI_PROGRESS": "1"}
+    run = run_mpi([_script(tmp_path, _PROGRESS_JOB)], n=2, timeout=90, env=env).check()
+    assert [line.split() for line in run.stdout] == [["12345", "2", "True"]] * 2, run.describe()
+
+
+def test_without_the_progress_thread_that_mpi_hangs(tmp_path):
+    # The set-up above does reproduce the hang: without the thread the job never ends.
+    _needs_mpich()
+    run = run_mpi([_script(tmp_path, _PROGRESS_JOB)], n=2, timeout=30, env=_MANUAL_PROGRESS)
+    assert run.timed_out, run.describe()
+
+
 def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path):
     script = _script(
         tmp_path,
