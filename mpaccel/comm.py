@@ -189,7 +189,7 @@ class ProgressThread:
     with its last message still queued, then block outside MPI (in gloo's gradient all-reduce,
     on the disk) while a peer waits in MPI for that message: both wait forever. Measured:
     `examples/train.py` at n=2 with `MPIR_CVAR_CH4_NETMOD=ofi MPIR_CVAR_NOLOCAL=1` hung in its
-    first broadcast (rank 0 had gone on to backward()) every time; with this thread it runs.
+    first broadcast (rank 0 had gone on to backward()), 3 runs of 3; with this thread it ran.
 
     It probes `comm` (mpaccel's diagnostics communicator) for a tag nobody sends: the probe only
     drives progress. (A probe of MPI_COMM_SELF did not: MPICH answers it without the network.)
@@ -212,17 +212,13 @@ class ProgressThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpaccel-mpi-progress", daemon=True)
         self._thread.start()
-        atexit.register(self.stop)  # runs before mpi4py finalizes MPI (registered earlier)
+        atexit.register(self.stop)  # at exit, before MPI is finalized
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             if self._finalized():
                 return
             self._comm.Iprobe(source=self._any, tag=_TAG_PROGRESS)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def stop(self) -> None:
         """Idempotent; returns once the thread has made its last MPI call."""
