@@ -112,7 +112,10 @@ class CollectiveTimeoutError(MpaccelError, TimeoutError):
             hint = (
                 "look at what the missing rank(s) were doing (py-spy dump --pid, or their "
                 "traceback); a rank that skipped this call, or is stuck in another collective, "
-                "is the usual cause. Raise the limit with wait_for_everyone(timeout=...), "
+                "is the usual cause. If they had gone past this call (stuck in gloo or NCCL, "
+                "or their logs show them further on), the MPI library may move a message only "
+                "while its sender is inside MPI: set MPACCEL_MPI_PROGRESS=1 (docs/slurm.md). "
+                "Raise the limit with wait_for_everyone(timeout=...), "
                 "InitProcessGroupKwargs(timeout=...) or MPACCEL_TIMEOUT=<seconds>."
             )
         super().__init__(message, hint)
