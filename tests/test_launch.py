@@ -106,7 +106,11 @@ def test_without_the_progress_thread_that_mpi_hangs(tmp_path):
     # The set-up above does reproduce the hang: without the thread the job never ends.
     _needs_mpich()
     run = run_mpi([_script(tmp_path, _PROGRESS_JOB)], n=2, timeout=30, env=_MANUAL_PROGRESS)
-    assert run.timed_out, run.describe()
+    assert run.timed_out, (
+        "this MPICH no longer hangs in the set-up, so the test above shows nothing: find another "
+        "manual-progress set-up (scripts/constraints.txt pins the MPICH that hung)\n"
+        + run.describe()
+    )
 
 
 def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path):
