@@ -39,37 +39,30 @@ def test_ranks_are_discovered(tmp_path, n):
     assert rows == [(r, n, r, 0, 1) for r in range(n)]
 
 
-def test_init_process_group_timeout_reaches_the_process_group(tmp_path):
+@pytest.mark.parametrize(
+    ("handlers", "env", "seconds"),
+    [
+        ("[InitProcessGroupKwargs(timeout=timedelta(seconds=77))]", {}, "77.0"),
+        ("None", {"MPACCEL_TIMEOUT": "55"}, "55.0"),
+    ],
+    ids=["InitProcessGroupKwargs", "MPACCEL_TIMEOUT"],
+)
+def test_timeout_reaches_the_process_group(tmp_path, handlers, env, seconds):
     # A fresh job: the group is created with the timeout (later Accelerators reuse the group).
     script = _script(
         tmp_path,
-        """
+        f"""
         from datetime import timedelta
         import torch, torch.distributed as dist
         from mpaccel import Accelerator
         from mpaccel.utils import InitProcessGroupKwargs
-        acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=77))])
+        acc = Accelerator(kwargs_handlers={handlers})
         gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
         print(gloo.options._timeout.total_seconds(), acc.state.default_timeout)
     """,
     )
-    run = run_mpi([script], n=2, timeout=120).check()
-    assert [line.split() for line in run.stdout] == [["77.0", "77.0"]] * 2, run.describe()
-
-
-def test_mpaccel_timeout_reaches_the_process_group(tmp_path):
-    script = _script(
-        tmp_path,
-        """
-        import torch, torch.distributed as dist
-        from mpaccel import Accelerator
-        acc = Accelerator()
-        gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
-        print(gloo.options._timeout.total_seconds(), acc.state.default_timeout)
-    """,
-    )
-    run = run_mpi([script], n=2, timeout=120, env={"MPACCEL_TIMEOUT": "55"}).check()
-    assert [line.split() for line in run.stdout] == [["55.0", "55.0"]] * 2, run.describe()
+    run = run_mpi([script], n=2, timeout=120, env=env).check()
+    assert [line.split() for line in run.stdout] == [[seconds, seconds]] * 2, run.describe()
 
 
 # Rank 0 leaves a broadcast (its message may still be queued) and blocks in gloo, where rank 1
