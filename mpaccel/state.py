@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -453,6 +453,27 @@ class AcceleratorState:
         if name.startswith("__") or name == "_partial" or "_partial" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self._partial, name)
+
+    # The process-control methods the documents list on AcceleratorState itself are defined
+    # here, so that the class has them (help, inspect.signature, hasattr on the class); the rest
+    # of PartialState's surface is reached through __getattr__.
+    def destroy_process_group(self, group: Any = None) -> None:
+        """See PartialState.destroy_process_group."""
+        self._partial.destroy_process_group(group)
+
+    def main_process_first(self) -> AbstractContextManager[None]:
+        """Collective; see PartialState.main_process_first."""
+        return self._partial.main_process_first()
+
+    def local_main_process_first(self) -> AbstractContextManager[None]:
+        """Collective; see PartialState.local_main_process_first."""
+        return self._partial.local_main_process_first()
+
+    def split_between_processes(
+        self, inputs: Any, apply_padding: bool = False
+    ) -> AbstractContextManager[Any]:
+        """Not collective; see PartialState.split_between_processes."""
+        return self._partial.split_between_processes(inputs, apply_padding)
 
     @property
     def initialized(self) -> bool:

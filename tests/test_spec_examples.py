@@ -3,6 +3,7 @@ in place of `accelerate`, at size 1 and N."""
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -23,9 +24,20 @@ def test_names_and_module_paths():
                  "on_main_process", "on_process", "set_device", "split_between_processes",
                  "wait_for_everyone"):
         assert callable(getattr(PartialState, name)), name
-    for name in ("get_deepspeed_plugin", "select_deepspeed_plugin", "destroy_process_group",
-                 "local_main_process_first", "main_process_first", "split_between_processes"):
-        assert hasattr(AcceleratorState, name) or hasattr(PartialState, name), name
+    # Listed on the class itself, with the documents' signatures (not only reachable on an
+    # instance): help() and inspect.signature work on them.
+    documented = {
+        "destroy_process_group": "(self, group: 'Any' = None) -> 'None'",
+        "get_deepspeed_plugin": "(self, name: 'str') -> 'Any'",
+        "local_main_process_first": "(self)",
+        "main_process_first": "(self)",
+        "select_deepspeed_plugin": "(self, name: 'str | None' = None) -> 'None'",
+        "split_between_processes": "(self, inputs: 'Any', apply_padding: 'bool' = False)",
+    }
+    for name, signature in documented.items():
+        method = AcceleratorState.__dict__.get(name)
+        assert callable(method), name
+        assert str(inspect.signature(method)).startswith(signature), (name, signature)
 
 
 def test_partial_state_with_init_process_group_kwargs(comm):
