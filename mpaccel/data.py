@@ -86,6 +86,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.process_index = process_index
         self.split_batches = split_batches
         self.even_batches = even_batches
+        # One process has nothing to even out: its batches are the loader's own, unchanged (no
+        # samples repeated at the end), as in a plain run and as in Accelerate.
+        self.pads_last_round = even_batches and num_processes > 1
         self.batch_size = int(getattr(batch_sampler, "batch_size", 0) or 0)
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
         if split_batches and self.batch_size % num_processes:
@@ -127,11 +130,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
             full = (self.split_batches and len(shares[0]) * n == self.batch_size) or (
                 not self.split_batches and all(len(s) == self.batch_size for s in shares)
             )
-            if complete and (full or not self.even_batches):
+            if complete and (full or not self.pads_last_round):
                 yield shares[r]
             elif self.drop_last and not self.split_batches:
                 return  # an incomplete last round is dropped, like the incomplete last batch
-            elif self.even_batches:
+            elif self.pads_last_round:
                 yield self._completed(shares, first)[r]
             elif r < len(shares) and shares[r]:
                 yield shares[r]
@@ -152,7 +155,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
             return batches
         if self.drop_last:
             return batches // self.num_processes
-        if self.even_batches:
+        if self.pads_last_round:
             return -(-batches // self.num_processes)
         return batches // self.num_processes + int(
             self.process_index < batches % self.num_processes
@@ -175,7 +178,8 @@ class DataLoaderShard:
     """A prepared dataloader: this rank's batches, on its device, with end-of-epoch tracking.
 
     Iterating is local (no collective). `end_of_dataloader` is True while the last batch is out;
-    `remainder` is the number of real samples in the last global round (-1: unknown).
+    `remainder` is the number of real samples in the last global round: the dataset's length
+    modulo the total batch size (0: the last round is full; -1: no length, or drop_last).
     """
 
     def __init__(
@@ -197,10 +201,8 @@ class DataLoaderShard:
         self.batches_yielded = 0
         length = _dataset_length(dataloader)
         total = self.total_batch_size
-        self.remainder = -1
-        if length is not None:
-            padded = sharded is not None and sharded.even_batches and not sharded.drop_last
-            self.remainder = length % total if padded else 0
+        drop_last = sharded.drop_last if sharded is not None else dataloader.drop_last
+        self.remainder = -1 if length is None or drop_last else length % total
         self.dataset = dataloader.dataset
 
     def __len__(self) -> int:

@@ -264,13 +264,32 @@ def test_uneven_dataset_and_gather_for_metrics(comm, even_batches):
     lengths = comm.allgather(len(seen))
     if even_batches:
         assert len(set(lengths)) == 1
+    if even_batches and n > 1:
         assert all(batch.shape[0] == 3 for batch in seen)
+    elif n == 1:  # one process: the loader's own batches, nothing repeated (as in Accelerate)
+        assert [b.tolist() for b in seen] == [b.tolist() for (b,) in DataLoader(dataset, 3)]
+    assert acc.gradient_state.remainder == -1  # outside the loop
+    assert loader.remainder == 23 % (3 * n)
     gathered = []
     for (x,) in loader:
         gathered.append(acc.gather_for_metrics(x))
     values = torch.cat(gathered).tolist()
     assert sorted(values) == list(range(23)), (n, values)
     assert acc.gradient_state.end_of_dataloader is False  # reset outside the loop
+
+
+def test_drop_last_has_no_remainder(comm):
+    # As in Accelerate: with drop_last nothing is repeated, remainder is -1 and gather_for_metrics
+    # keeps every gathered sample of the last batch.
+    acc = _fresh()
+    n = acc.num_processes
+    loader, seen, _ = _dataloader_run(acc, TensorDataset(torch.arange(23)), 3, drop_last=True)
+    assert loader.remainder == -1
+    assert len(seen) == 7 // n and all(batch.shape[0] == 3 for batch in seen)
+    values = []
+    for (x,) in loader:
+        values += acc.gather_for_metrics(x).tolist()
+    assert len(values) == len(set(values)) == 3 * n * (7 // n)
 
 
 def test_split_batches(comm):
