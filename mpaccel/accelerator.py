@@ -485,16 +485,18 @@ class Accelerator:
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Collective: gather(), minus the samples even_batches repeated in the last batch, so
-        metrics see each sample of the dataset exactly once. Non-tensor data goes through
-        gather_object."""
-        if use_gather_object or not ops._leaves(input_data):
+        metrics see each sample of the dataset exactly once. Data with any leaf that is not a
+        tensor goes, whole, through gather_object (a flat list: the last batch is cut down to
+        its real samples)."""
+        use_gather_object = use_gather_object or not ops.only_tensors(input_data)
+        if use_gather_object:
             data = ops.gather_object(self._partial.comm, input_data)
         else:
             data = ops.gather(self._partial.comm, input_data)
         state = self.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            data = ops.truncate(data, state.remainder)
-        return data
+        if not (state.end_of_dataloader and state.remainder > 0):
+            return data
+        return data[: state.remainder] if use_gather_object else ops.truncate(data, state.remainder)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Collective: element-wise 'sum', 'mean', 'max' or 'min' over ranks."""

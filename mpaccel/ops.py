@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import distributed
@@ -112,16 +113,30 @@ def gather(comm: Comm, data: Any) -> Any:
 
 
 def gather_object(comm: Comm, obj: Any) -> list[Any]:
-    """Every rank's picklable objects in one list: lists and tuples are concatenated in rank
-    order, anything else contributes one element. Runs over MPI (host), not the GPU."""
+    """Every rank's picklable objects in one list, in rank order: lists and tuples are
+    concatenated, tensors and numpy arrays contribute their rows (as in Accelerate), anything
+    else one element. Runs over MPI (host), not the GPU."""
     parts = comm.allgather(obj, what="gather_object")
     out: list[Any] = []
     for part in parts:
         if isinstance(part, (list, tuple)):
             out.extend(part)
+        elif isinstance(part, (torch.Tensor, np.ndarray)) and part.ndim > 0:
+            out.extend(part)
         else:
             out.append(part)
     return out
+
+
+def only_tensors(data: Any) -> bool:
+    """True if every leaf of the nested lists/tuples/dicts `data` is a tensor."""
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, Mapping):
+        return all(only_tensors(value) for value in data.values())
+    if isinstance(data, (list, tuple)):
+        return all(only_tensors(value) for value in data)
+    return False
 
 
 def reduce(comm: Comm, data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
@@ -189,7 +204,5 @@ def pad_across_processes(
 
 
 def truncate(data: Any, count: int) -> Any:
-    """The first `count` rows of every tensor (and of a plain list)."""
-    if isinstance(data, list) and not _leaves(data):
-        return data[:count]
+    """The first `count` rows of every tensor."""
     return _rebuild(data, lambda t: t[:count])

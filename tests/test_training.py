@@ -377,7 +377,33 @@ def test_ops(comm):
     b = broadcast(torch.tensor([float(r)]), from_process=n - 1)
     assert b.item() == n - 1
     assert gather_object([f"r{r}"]) == [f"r{k}" for k in range(n)]
+    rows = gather_object(torch.full((2, 1), r))  # a tensor contributes its rows, as in Accelerate
+    assert [row.tolist() for row in rows] == [[k] for k in range(n) for _ in range(2)]
     assert acc.gather_for_metrics(["x"] * 2) == ["x"] * (2 * n)
+    from mpaccel.utils import reduce
+
+    # accelerate.utils.reduce defaults to "mean", Accelerator.reduce to "sum"
+    assert reduce(t)[0, 0].item() == pytest.approx(sum(range(n)) / n)
+    assert acc.reduce(t)[0, 0].item() == sum(range(n))
+
+
+@pytest.mark.parametrize("kind", ["objects", "mixed"])
+def test_gather_for_metrics_drops_the_repeated_samples_of_objects(comm, kind):
+    # 10 samples, batch 3: the last round holds 10 % (3n) real samples, the rest are repeats.
+    # "objects": a tensor gathered as objects (a flat list of rows); "mixed": per sample, a
+    # prediction with its string id (tensors and strings: the whole input goes as objects).
+    acc = _fresh()
+    n = acc.num_processes
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=3))
+    out = []
+    for (x,) in loader:
+        if kind == "objects":
+            out += [row.item() for row in acc.gather_for_metrics(x, use_gather_object=True)]
+        else:
+            for pred, sample_id in acc.gather_for_metrics([(v, f"id{v.item()}") for v in x]):
+                assert sample_id == f"id{pred.item()}"
+                out.append(pred.item())
+    assert sorted(out) == list(range(10)), (n, out)
 
 
 @pytest.mark.mpi(min_size=2)

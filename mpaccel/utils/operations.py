@@ -22,7 +22,8 @@ def gather_object(obj: Any) -> list[Any]:
     return ops.gather_object(_comm(), obj)
 
 
-def reduce(tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    # "mean" by default, as accelerate.utils.reduce (Accelerator.reduce's default is "sum").
     return ops.reduce(_comm(), tensor, reduction, scale)
 
 
