@@ -402,6 +402,94 @@ def test_errors_are_raised_on_every_rank(mpi_tmp_path, comm):
     assert info.value.failed_ranks == list(range(comm.size)) and "rank 0" in message
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_state_that_differs_between_ranks_is_refused_before_anything_is_written(
+    mpi_tmp_path, comm
+):
+    # The last rank builds another model (a wider layer, an extra buffer): the shards of two
+    # different plans would interleave into a checkpoint that cannot load. Every rank raises
+    # the same error naming the rank and the key; nothing is committed.
+    reset_state()
+    acc = Accelerator()
+    last = acc.process_index == acc.num_processes - 1
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 9 if last else 3))
+    if last:
+        net.register_buffer("extra", torch.zeros(2))
+    with pytest.raises(CollectiveError) as info:
+        acc.save_model(net, mpi_tmp_path / "model")
+    message = str(info.value)
+    assert info.value.failed_ranks == [comm.size - 1], message
+    assert "differs from rank 0's" in message, message
+    assert "model/1.weight is float32 [9, 8] (rank 0: float32 [3, 8])" in message, message
+    assert "has extra ['model/extra']" in message, message
+    assert not (mpi_tmp_path / "model" / "model.index.json").exists()
+    # Non-tensor values that differ: saved as rank 0 has them, with a warning on rank 0.
+    acc, model, opt, sched, loader, progress = _setup()
+    progress.step = acc.process_index
+    with pytest.warns(RuntimeWarning, match="'custom_0/step' differs") if acc.is_main_process \
+            else _no_warning():
+        acc.save_state(mpi_tmp_path / "values")
+    progress.step = -1
+    acc.load_state(mpi_tmp_path / "values")
+    assert progress.step == 0
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def check():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        assert not [w for w in caught if "differs" in str(w.message)]
+
+    return check()
+
+
+def test_buffers_are_saved_as_rank_0_has_them(mpi_tmp_path, comm):
+    # BatchNorm's running statistics: after a forward on its own batch, each rank holds its own
+    # (DDP broadcasts rank 0's only at the start of the next forward). The checkpoint holds
+    # rank 0's, and the live buffers are left as they are.
+    reset_state()
+    acc = Accelerator()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model = acc.prepare(net)
+    model(torch.randn(8, 4) + acc.process_index)  # rank-dependent batch statistics
+    live = acc.unwrap_model(model)[1].running_mean.clone()
+    means = comm.allgather(live.tolist())
+    if comm.size > 1:
+        assert means[0] != means[1]
+    acc.save_model(model, mpi_tmp_path / "bn")
+    saved = load_model_state(mpi_tmp_path / "bn")
+    assert saved["1.running_mean"].tolist() == means[0]
+    assert saved["1.num_batches_tracked"].item() == 1
+    assert torch.equal(acc.unwrap_model(model)[1].running_mean, live)  # untouched
+    acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.save_state(mpi_tmp_path / "bn-state")
+    with CheckpointReader(str(mpi_tmp_path / "bn-state"), "state") as reader:
+        assert reader.component("model_0")["1.running_mean"].tolist() == means[0]
+
+
+def test_every_directory_a_save_creates_is_made_durable(tmp_path, monkeypatch):
+    # A save into project/checkpoints/checkpoint_0 may create all three: each one's entry in
+    # its parent must be fsynced, or a power loss can lose the committed checkpoint.
+    from mpaccel.checkpoint import storage
+
+    synced = []
+    monkeypatch.setattr(storage, "_fsync_path", synced.append)
+    project = tmp_path / "project"
+    storage._make_directory(str(project / "checkpoints" / "checkpoint_0"))
+    assert synced == [str(tmp_path), str(project), str(project / "checkpoints")]
+    assert (project / "checkpoints" / "checkpoint_0").is_dir()
+    synced.clear()
+    storage._make_directory(str(tmp_path / "project"))  # exists: nothing created, nothing synced
+    assert synced == []
+
+
 def test_an_optimizer_of_another_layout_is_refused_untouched(mpi_tmp_path, comm):
     acc, model, opt, sched, loader, progress = _setup()
     _train(acc, model, opt, sched, loader, progress, epochs=1)

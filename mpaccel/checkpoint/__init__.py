@@ -15,7 +15,7 @@ from typing import Any
 from .format import CheckpointError, flatten, parse_size, unflatten
 from .reader import CheckpointReader
 from .storage import write_checkpoint
-from .training_state import apply, collect, read_back
+from .training_state import apply, collect, model_state, read_back
 
 MODEL_STEM = "model"
 STATE_STEM = "state"
@@ -41,7 +41,7 @@ def save_model(accelerator: Any, model: Any, save_directory: str, max_shard_size
         limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise CheckpointError(str(exc), "for example max_shard_size='10GB' or '500MB'.") from exc
-    state = accelerator.unwrap_model(model).state_dict()
+    state = model_state(accelerator, model)
     index = write_checkpoint(
         accelerator._partial.comm,
         os.fspath(save_directory),

@@ -15,10 +15,12 @@ Call sequence of `write_checkpoint` (collective, every rank, same arguments but 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import re
 import uuid
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,6 +80,92 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _make_directory(directory: str) -> None:
+    """makedirs, then fsync the parent of every directory it created (each gained an entry
+    that must survive a power loss along with the checkpoint)."""
+    created = []
+    path = os.path.abspath(directory)
+    while not os.path.isdir(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    for path in reversed(created):
+        _fsync_path(os.path.dirname(path))
+
+
+def _layout(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict:
+    """What must be the same on every rank for the shared state to make one checkpoint: the
+    tensors' keys, dtypes and shapes (a mismatch would interleave two different shard plans)."""
+    return {key: (dtypes[key], list(arrays[key].shape)) for key in sorted(arrays)}
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """The path of the first place where the JSON-like trees a and b differ (None: equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            where = f"{path}/{key}" if path else str(key)
+            if key not in a or key not in b:
+                return where
+            found = _first_difference(a[key], b[key], where)
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = _first_difference(x, y, f"{path}/{i}")
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (path or "/")
+
+
+def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dict) -> None:
+    """Collective. The shared state must have one layout on every rank: else every rank raises
+    the same CollectiveError naming the ranks whose tensors differ from rank 0's, and the keys.
+    Non-tensor values that differ are saved as rank 0 has them, with a warning naming the first
+    one."""
+    digests = comm.allgather((_digest(layout), _digest(documents)), what=what)
+    error = None
+    if len({d[0] for d in digests}) > 1:
+        reference = comm.bcast(layout if comm.rank == 0 else None, what=what)
+        if layout != reference:
+            missing = [k for k in reference if k not in layout]
+            extra = [k for k in layout if k not in reference]
+            changed = [k for k in layout if k in reference and layout[k] != reference[k]]
+            parts = [f"has no {missing[:3]}"] if missing else []
+            parts += [f"has extra {extra[:3]}"] if extra else []
+            parts += [
+                f"{k} is {layout[k][0]} {layout[k][1]} (rank 0: {reference[k][0]} "
+                f"{reference[k][1]})"
+                for k in changed[:3]
+            ]
+            error = CheckpointError(
+                "the state to save differs from rank 0's (it must be the same on every rank): "
+                + "; ".join(parts),
+                "every rank must save the same model and optimizer: look for code that builds "
+                "or changes them depending on the rank.",
+            )
+    comm.agree(error, what + " (comparing the ranks' states)")
+    if len({d[1] for d in digests}) > 1:
+        documents_of = comm.allgather(documents, what=what)
+        if comm.rank == 0:
+            for rank, other in enumerate(documents_of[1:], start=1):
+                where = _first_difference(documents_of[0], other)
+                if where is not None:
+                    warnings.warn(
+                        f"{what}: the value at {where!r} differs between rank 0 and rank {rank}; "
+                        "the checkpoint holds rank 0's",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+                    break
 
 
 def _contiguous_early() -> h5py.h5p.PropDCID:
@@ -179,15 +267,13 @@ def write_checkpoint(
     except Exception as exc:
         error = exc
     comm.agree(error, what + " (collecting the state)")
+    _check_same_on_every_rank(comm, what, documents, _layout(arrays, dtypes))
 
     save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
     error = None
     if comm.rank == 0:
         try:
-            if not os.path.isdir(directory):
-                os.makedirs(directory)
-                # the new directory's entry must survive a power loss along with its contents
-                _fsync_path(os.path.dirname(os.path.abspath(directory)))
+            _make_directory(directory)
         except Exception as exc:
             error = CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
     comm.agree(error, what + " (creating the directory)")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import distributed
 from .format import CheckpointError
 
 RNG = "rng"
@@ -78,11 +79,40 @@ def restore_dataloader(shard: Any, position: dict[str, Any], same_world: bool) -
     shard.skip_first_batches(batches)
 
 
+def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
+    """Collective (at size N). The unwrapped model's state_dict, with its buffers as rank 0 has
+    them. DDP keeps parameters equal across ranks, but buffers (BatchNorm's running statistics)
+    only at the start of each forward, when it broadcasts rank 0's; after a forward every rank
+    holds its own batch's. The checkpoint takes rank 0's, as DDP's next forward would: copies,
+    broadcast in one message per dtype and device; the model itself is left alone."""
+    module = accelerator.unwrap_model(model)
+    state = module.state_dict()
+    if accelerator.num_processes == 1:
+        return state
+    names = [name for name, _ in module.named_buffers() if name in state]
+    layout = [(name, str(state[name].dtype), tuple(state[name].shape)) for name in names]
+    if len(set(map(repr, accelerator._partial.comm.allgather(layout, what="save")))) > 1:
+        return state  # ranks differ: the checkpoint's layout check names how, on every rank
+    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+    for name in names:
+        groups.setdefault((state[name].dtype, state[name].device), []).append(name)
+    for (dtype, device), group in sorted(groups.items(), key=lambda item: str(item[0])):
+        flat = torch.cat([state[name].detach().reshape(-1) for name in group])
+        # on the collective's device (NCCL: the GPU); gloo and NCCL have no bool
+        wire = flat.to(accelerator.device, torch.uint8 if dtype == torch.bool else dtype)
+        distributed.broadcast(wire, 0)
+        flat = wire.to(device, dtype)
+        for name, part in zip(group, flat.split([state[n].numel() for n in group])):
+            state[name] = part.view(state[name].shape)
+    return state
+
+
 def collect(accelerator: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared, per_rank) state trees of everything the accelerator prepared or registered."""
+    """(shared, per_rank) state trees of everything the accelerator prepared or registered.
+    Collective (model_state)."""
     shared: dict[str, Any] = {}
     for i, model in enumerate(accelerator._models):
-        shared[f"model_{i}"] = accelerator.unwrap_model(model).state_dict()
+        shared[f"model_{i}"] = model_state(accelerator, model)
     for i, opt in enumerate(accelerator._optimizers):
         shared[f"optimizer_{i}"] = opt.state_dict()
     for i, sched in enumerate(accelerator._schedulers):
