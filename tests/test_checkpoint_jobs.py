@@ -170,3 +170,33 @@ def test_disk_full_is_an_error_on_every_rank(tmp_path, tiny_disk):
     assert run.stdout[0] == run.stdout[1]
     leftovers = os.listdir(tiny_disk / "model") if (tiny_disk / "model").exists() else []
     assert leftovers == [], leftovers  # no partial shard, no index
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_script_ending_right_after_an_async_save_commits_it(tmp_path, n):
+    script = _write(tmp_path, "async_end.py", """
+        acc = Accelerator()
+        model = acc.prepare(torch.nn.Linear(1024, 2048))   # 8 MiB: the save outlives the script
+        with torch.no_grad():
+            acc.unwrap_model(model).weight.fill_(3.0)
+        acc.save_state(sys.argv[1], async_save=True)
+        if len(sys.argv) > 2:                              # a save that fails, never waited for
+            acc.save_state(sys.argv[2], async_save=True)
+        print("ended", flush=True)
+    """)
+    target = tmp_path / "ckpt"
+    run = run_mpi([script, str(target)], n=n, timeout=180).check()
+    assert list(run.stdout) == ["ended\n"] * n, run.describe()
+    with CheckpointReader(str(target), "state") as reader:
+        assert reader.verify() == []
+        assert reader.component("model_0")["weight"].eq(3.0).all()
+    # A failing background save that the script never waited for: every rank says so on stderr
+    # and exits non-zero, instead of ending with status 0 as if the checkpoint were there.
+    (tmp_path / "afile").write_text("x")
+    run = run_mpi([script, str(tmp_path / "ok"), str(tmp_path / "afile" / "ckpt")], n=n,
+                  timeout=180)
+    assert run.returncode != 0, run.describe()
+    assert "the background save_state(async_save=True) failed" in "".join(run.stderr), (
+        run.describe()
+    )
+    assert (tmp_path / "ok" / "state.index.json").exists()  # the first one was committed

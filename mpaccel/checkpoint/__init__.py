@@ -5,9 +5,11 @@ Every function taking an accelerator is collective. See docs/checkpoint-format.m
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
+import sys
 import threading
 import warnings
 from typing import Any
@@ -140,6 +142,7 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._comm: Any = None
+        self._exit_hook = False
 
     def comm_for(self, accelerator: Any) -> Any:
         if self._comm is None:  # collective, the first time: every rank saves together
@@ -167,7 +170,30 @@ class AsyncSaver:
                 self._error = exc
 
         self._thread = threading.Thread(target=run, name="mpaccel-async-save")
+        if not self._exit_hook:
+            # A script may end right after save_state(async_save=True). The save must still be
+            # committed, and it needs the thread pools of rawio, which refuse new work once
+            # the interpreter shuts down: so wait in a hook of threading's shutdown, which runs
+            # (last registered, first run) before concurrent.futures' own and before atexit
+            # (MPI is finalized there, after this).
+            register = getattr(threading, "_register_atexit", None)
+            (register or atexit.register)(self._finish_at_exit)
+            self._exit_hook = True
         self._thread.start()
+
+    def _finish_at_exit(self) -> None:
+        try:
+            self.wait()
+        except BaseException as exc:
+            # Every rank has the same error (the save's collectives agree on it). The process
+            # must not end with status 0 as if the checkpoint were there.
+            print(
+                f"mpaccel: the background save_state(async_save=True) failed and the script "
+                f"ended without wait_for_checkpoint(): {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
 
     def wait(self) -> None:
         """Block until the background save is committed; re-raise its error here."""
