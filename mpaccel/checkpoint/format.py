@@ -4,6 +4,8 @@ encoding that keeps the true dtype, and checksums. No pickle anywhere.
 A state tree (a state_dict, an RNG state, ...) becomes a JSON document in which each tensor or
 array is replaced by {"__tensor__": "<dataset name>"}; the tensors go to HDF5 datasets. Tuples,
 non-string dict keys, and numpy/torch scalars are tagged so the tree comes back as it went in.
+Anything that cannot come back as it went in is refused here, naming its key, before a file is
+written.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import xxhash
 
 from ..errors import MpaccelError
+from .rawio import byte_view
 
 FORMAT_NAME = "mpaccel-checkpoint"
 FORMAT_VERSION = 1
@@ -29,12 +32,33 @@ class CheckpointError(MpaccelError):
 # torch dtypes numpy (and so HDF5) cannot hold: stored as same-width unsigned ints.
 _VIEW_AS = {
     torch.bfloat16: torch.uint16,
+    torch.complex32: torch.uint32,  # two float16s
     **{
         getattr(torch, name): torch.uint8
-        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        for name in (
+            "float8_e4m3fn",
+            "float8_e5m2",
+            "float8_e4m3fnuz",
+            "float8_e5m2fnuz",
+            "float8_e8m0fnu",
+            "float4_e2m1fn_x2",  # two float4s in a byte
+        )
         if hasattr(torch, name)
     },
 }
+# torch dtypes stored as they are (tensor.numpy() takes them). Quantized and sub-byte types are
+# neither: they are refused, naming the key.
+_NUMPY_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+    if hasattr(torch, name)
+)
+# numpy array kinds HDF5 stores losslessly: bool, int, uint, float, complex, fixed-size bytes,
+# structured/opaque (of these). Not str (U), object (O), datetime64 (M), timedelta64 (m).
+_NUMPY_KINDS = "biufcSV"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,6 +96,7 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    t = t.resolve_conj().resolve_neg()  # lazy conjugates (z.conj()): numpy() refuses them
     view = _VIEW_AS.get(t.dtype)
     if view is not None:
         t = t.contiguous().view(view)
@@ -88,25 +113,108 @@ def from_numpy(array: np.ndarray, name: str) -> torch.Tensor:
 
 def checksum(array: np.ndarray) -> str:
     """xxh3-64 of the array's bytes (about 20 GB/s: cheap next to the disk)."""
-    data = contiguous(array)
-    return xxhash.xxh3_64(memoryview(data).cast("B")).hexdigest()  # type: ignore[arg-type]
+    return xxhash.xxh3_64(byte_view(contiguous(array))).hexdigest()
 
 
 def _is_array(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, np.ndarray))
 
 
+def _where(prefix: str, path: str) -> str:
+    return f"{prefix}/{path}" if path else prefix
+
+
+def _check_array(value: Any, prefix: str, path: str) -> None:
+    """Refuse, naming the key, a tensor or array whose data cannot be stored as it is."""
+    where = _where(prefix, path)
+    if isinstance(value, np.ndarray):
+        if isinstance(value, np.ma.MaskedArray):
+            raise CheckpointError(
+                f"cannot store masked array at key {where}: checkpoints hold plain numpy arrays, "
+                "and its mask would be lost",
+                "store its .data and .mask as two arrays.",
+            )
+        if not _numpy_storable(value.dtype):
+            raise CheckpointError(
+                f"cannot store numpy array of dtype {value.dtype} at key {where}: checkpoints "
+                "hold numpy arrays of bool, integer, float, complex, fixed-size bytes (S) and "
+                "structured types of these",
+                "convert it: text as a list of str (arr.tolist()), datetimes as integers "
+                "(arr.astype('int64')); mpaccel never pickles objects.",
+            )
+        return
+    if value.is_nested or value.layout != torch.strided:
+        layout = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+        raise CheckpointError(
+            f"cannot store {layout} tensor at key {where}: checkpoints hold dense (strided) "
+            "tensors only",
+            "store t.to_dense(), or the parts it is made of (t.coalesce().indices() and "
+            ".values() of a sparse tensor, t.unbind() of a nested one).",
+        )
+    if value.is_meta:
+        raise CheckpointError(
+            f"cannot store meta tensor at key {where}: checkpoints hold tensors with data (on any "
+            "device), and a meta tensor has a shape only",
+            "materialize it first (e.g. module.to_empty(device='cpu'), then initialize or load "
+            "its weights).",
+        )
+    if value.dtype not in _NUMPY_DTYPES and value.dtype not in _VIEW_AS:
+        raise CheckpointError(
+            f"cannot store tensor of dtype {dtype_name(value.dtype)} at key {where}: checkpoints "
+            "hold bool, integer, float (float16, bfloat16, float8, ...) and complex tensors",
+            "convert it to one of these (e.g. t.int_repr() and its scales for a quantized "
+            "tensor).",
+        )
+
+
+def _numpy_storable(dtype: np.dtype) -> bool:
+    if dtype.fields is not None:
+        return all(_numpy_storable(field[0]) for field in dtype.fields.values())
+    if dtype.subdtype is not None:
+        return _numpy_storable(dtype.subdtype[0])
+    return dtype.kind in _NUMPY_KINDS
+
+
+def _npscalar(value: np.generic, prefix: str, path: str) -> dict[str, Any]:
+    """A numpy scalar as {"__npscalar__": dtype, "value": JSON}, where np.dtype(dtype).type(value)
+    gives it back exactly; else a CheckpointError naming its key."""
+    kind, size = value.dtype.kind, value.dtype.itemsize
+    item: Any
+    if kind in "biuU" or (kind == "f" and size <= 8):
+        item = value.item()
+        if kind == "f" and not math.isfinite(item):
+            item = str(value)  # "nan", "inf", "-inf": numpy parses them, JSON has no such number
+        return {"__npscalar__": str(value.dtype), "value": item}
+    raise CheckpointError(
+        f"cannot store numpy scalar {type(value).__name__} {value!r:.80} at key "
+        f"{_where(prefix, path)}: checkpoints hold numpy scalars of bool, integer, float (up to "
+        "float64) and str types",
+        "convert it (e.g. [z.real, z.imag] for a complex number, str(d) for a datetime64, "
+        "b.decode() for bytes); mpaccel never pickles.",
+    )
+
+
 def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
     """Split `tree` into a JSON-able document and {dataset name: tensor or ndarray}.
 
-    Raises CheckpointError naming the key of anything that is neither (no pickle fallback)."""
-    tensors: dict[str, Any] = {}
+    Raises CheckpointError naming the key of anything that is neither (no pickle fallback), or
+    that cannot be stored as it is (sparse or meta tensors, str or object arrays, ...)."""
+    # (document entry, structural path, tensor): named once the whole tree has been seen
+    found: list[tuple[dict[str, Any], tuple, Any]] = []
 
-    def walk(value: Any, path: str) -> Any:
+    def walk(value: Any, path: str, steps: tuple) -> Any:
         if _is_array(value):
-            name = path or "value"
-            tensors[name] = value
-            return {"__tensor__": name, "__kind__": "torch" if torch.is_tensor(value) else "numpy"}
+            _check_array(value, prefix, path)
+            entry = {
+                "__tensor__": path or "value",
+                "__kind__": "torch" if torch.is_tensor(value) else "numpy",
+            }
+            found.append((entry, steps, value))
+            return entry
+        # before bool/str/int/float: np.float64 is a float and np.str_ a str, and their type
+        # must come back
+        if isinstance(value, np.generic):
+            return _npscalar(value, prefix, path)
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, int):
@@ -115,13 +223,14 @@ def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
             if math.isfinite(value):
                 return value
             return {"__float__": repr(value)}
-        if isinstance(value, np.generic):
-            return {"__npscalar__": str(value.dtype), "value": value.item()}
         if isinstance(value, torch.dtype):
             return {"__torch_dtype__": dtype_name(value)}
         if isinstance(value, Mapping):
             if all(isinstance(k, str) and not k.startswith("__") for k in value):
-                return {k: walk(v, f"{path}.{k}" if path else k) for k, v in value.items()}
+                return {
+                    k: walk(v, f"{path}.{k}" if path else k, (*steps, ("key", k)))
+                    for k, v in value.items()
+                }
             items = []
             for k, v in value.items():
                 if not isinstance(k, (str, int, float, bool)) and k is not None:
@@ -129,19 +238,64 @@ def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
                         f"cannot store dict key {k!r} ({type(k).__name__}) at {path or prefix!r}",
                         "keys must be str, int, float, bool or None.",
                     )
-                items.append([k, walk(v, f"{path}.{k}" if path else str(k))])
+                child = walk(v, f"{path}.{k}" if path else str(k), (*steps, ("key", k)))
+                items.append([k, child])
             return {"__items__": items}
         if isinstance(value, tuple):
-            return {"__tuple__": [walk(v, f"{path}.{i}") for i, v in enumerate(value)]}
+            return {
+                "__tuple__": [
+                    walk(v, f"{path}.{i}", (*steps, ("index", i))) for i, v in enumerate(value)
+                ]
+            }
         if isinstance(value, list):
-            return [walk(v, f"{path}.{i}") for i, v in enumerate(value)]
+            return [walk(v, f"{path}.{i}", (*steps, ("index", i))) for i, v in enumerate(value)]
         raise CheckpointError(
             f"cannot store {type(value).__name__} {value!r:.80} at key {prefix}/{path}: "
             "checkpoints hold tensors, arrays, numbers, strings, lists, tuples and dicts only",
             "give the object a state_dict() that returns such values (mpaccel never pickles).",
         )
 
-    return walk(tree, ""), tensors
+    document = walk(tree, "", ())
+    return document, _name_tensors(found, prefix)
+
+
+def _name_tensors(found: list[tuple[dict[str, Any], tuple, Any]], prefix: str) -> dict[str, Any]:
+    """{name: tensor}, writing each name into its document entry. A tensor is named by its path
+    (keys joined by '.'), unless that would not give it a dataset of its own: paths that meet
+    ({"a.b": x, "a": {"b": y}}, {1: x, "1": y}, "a/b" and "a%2Fb" once '/' is escaped) or names
+    HDF5 cannot hold ('.', NUL) get '~' and 8 hex digits of a hash of their structure (keys with
+    their types, list positions) appended: the same for the same tree, whatever its order."""
+    counts: dict[str, int] = {}
+    for entry, _, _ in found:
+        link = _link(entry["__tensor__"])
+        counts[link] = counts.get(link, 0) + 1
+    tensors: dict[str, Any] = {}
+    taken: dict[str, tuple] = {}
+    for entry, steps, value in found:
+        name = entry["__tensor__"]
+        if counts[_link(name)] > 1 or name == "." or "\x00" in name:
+            digest = xxhash.xxh3_64(repr(steps).encode()).hexdigest()[:8]
+            name = entry["__tensor__"] = name.replace("\x00", "%00") + "~" + digest
+        link = _link(name)
+        if link in taken:
+            raise CheckpointError(
+                f"cannot store {prefix}{_keys(taken[link])} and {prefix}{_keys(steps)}: both "
+                f"would be stored as {prefix}/{link}",
+                "rename one of the two keys.",
+            )
+        taken[link] = steps
+        tensors[name] = value
+    return tensors
+
+
+def _link(name: str) -> str:
+    """The name of a tensor's dataset in its component's group (see dataset_name)."""
+    return name.replace("/", "%2F")
+
+
+def _keys(steps: tuple) -> str:
+    """A structural path as subscripts: ['a']['b'], [1], ['layers'][0]."""
+    return "".join(f"[{key!r}]" for _, key in steps)
 
 
 def unflatten(document: Any, load: Any) -> Any:
@@ -159,7 +313,9 @@ def unflatten(document: Any, load: Any) -> Any:
         if "__items__" in value:
             return {k: walk(v) for k, v in value["__items__"]}
         if "__float__" in value:
-            return float(value["__float__"])
+            # np.float64 NaN and infinities were once written here as repr(): under numpy 2,
+            # "np.float64(nan)"
+            return float(value["__float__"].removeprefix("np.float64(").removesuffix(")"))
         if "__npscalar__" in value:
             return np.dtype(value["__npscalar__"]).type(value["value"])
         if "__torch_dtype__" in value:
@@ -203,4 +359,4 @@ def parse_size(size: int | str) -> int:
 
 def dataset_name(component: str, name: str) -> str:
     """The HDF5 dataset path of tensor `name` of `component` ('/' in names escaped)."""
-    return f"{component}/{name.replace('/', '%2F')}"
+    return f"{component}/{_link(name)}"

@@ -1,0 +1,292 @@
+"""What a checkpoint can hold: colliding keys, empty tensors of any shape, dtypes numpy lacks,
+numpy scalars, and the values it refuses (named, before any file is written). The bodies that
+take `comm` run at size 1 and under mpiexec -n 2 / -n 4."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from mpaccel import Accelerator, CollectiveError
+from mpaccel.checkpoint import CheckpointError, CheckpointReader, load_model_state
+from mpaccel.checkpoint.format import flatten, unflatten
+from mpaccel.cli import main as cli
+from mpaccel.testing import reset_state
+
+
+class Holder:
+    """A registered object whose state is whatever the test puts in it."""
+
+    def __init__(self, state=None):
+        self.state, self.loaded = state, None
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def _save(directory, state):
+    reset_state()
+    acc = Accelerator()
+    acc.register_for_checkpointing(Holder(state))
+    acc.save_state(directory)
+    return acc
+
+
+def _load(directory):
+    reset_state()
+    acc = Accelerator()
+    holder = Holder()
+    acc.register_for_checkpointing(holder)
+    acc.load_state(directory)
+    return holder.loaded
+
+
+def _same_bytes(a, b):
+    """Equal dtype, shape and bytes (NaN payloads included; for dtypes torch cannot compare)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(raw), b.contiguous().view(raw))
+
+
+def _ckpt(*args):
+    """`mpaccel ckpt ...` in this process: (exit code, stdout + stderr)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = cli(["ckpt", *map(str, args)])
+    return code, out.getvalue()
+
+
+# -- keys that would share a dataset -----------------------------------------------------------
+
+def _colliding():
+    """Pairs of keys whose paths are written alike; every tensor a value of its own."""
+    t = [torch.full((2,), float(i)) for i in range(10)]
+    return {
+        "a.b": t[0], "a": {"b": t[1]},       # nested levels are joined by '.'
+        1: t[2], "1": t[3],                  # an int key and its str
+        "l": [t[4]], "l.0": t[5],            # list positions are joined by '.' too
+        "s/b": t[6], "s%2Fb": t[7],          # '/' is escaped as %2F
+        "": t[8], "value": t[9],             # a tensor at an empty path is named "value"
+    }
+
+
+def test_colliding_keys_each_keep_their_own_tensor(mpi_tmp_path, comm):
+    state = _colliding()
+    _save(mpi_tmp_path / "keys", state)
+    loaded = _load(mpi_tmp_path / "keys")
+    assert loaded.keys() == state.keys()
+    assert torch.equal(loaded["a"]["b"], state["a"]["b"])
+    assert torch.equal(loaded["l"][0], state["l"][0])
+    for key in ("a.b", 1, "1", "l.0", "s/b", "s%2Fb", "", "value"):
+        assert torch.equal(loaded[key], state[key]), key
+    with CheckpointReader(str(mpi_tmp_path / "keys"), "state") as reader:
+        assert reader.verify() == []
+        assert len([k for k in reader.index["tensors"] if k.startswith("custom_0/")]) == 10
+    code, text = _ckpt("verify", mpi_tmp_path / "keys")
+    assert code == 0, text
+    # The names depend on each key's path, not on the order of the dict (a live state_dict
+    # matched against the checkpoint's names to be read into in place finds the same ones).
+    backwards = dict(reversed(list(_colliding().items())))
+    document, tensors = flatten(backwards, "c")
+    names = {float(t[0]): name for name, t in tensors.items()}
+    again = {float(t[0]): name for name, t in flatten(_colliding(), "c")[1].items()}
+    assert names == again and len(set(names.values())) == 10
+    assert names[0.0] != "a.b" and names[0.0].startswith("a.b~")
+    assert unflatten(document, lambda name, kind: tensors[name])["a"]["b"].eq(1).all()
+
+
+def test_a_name_that_cannot_be_made_unique_is_an_error_before_anything_is_written(
+    mpi_tmp_path, comm
+):
+    state = {"x": torch.zeros(1), "": {"x": torch.ones(1)}}
+    taken = next(name for name, t in flatten(state, "custom_0")[1].items() if t.item() == 0)
+    state[taken] = torch.ones(2)  # a key spelled like the name the first "x" was given
+    with pytest.raises(CollectiveError) as info:
+        _save(mpi_tmp_path / "clash", state)
+    message = str(info.value)
+    assert "collecting the state" in message, message
+    assert f"custom_0['x'] and custom_0[{taken!r}]" in message, message
+    assert not os.path.exists(mpi_tmp_path / "clash")
+
+
+# -- empty tensors -----------------------------------------------------------------------------
+
+def test_empty_tensors_of_any_shape_save_and_load(mpi_tmp_path, comm):
+    reset_state()
+    acc = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(0, 4))  # weight (4, 0)
+    model.register_buffer("wide", torch.zeros(3, 0))
+    model.register_buffer("tall", torch.zeros(0, 3, dtype=torch.bfloat16))
+    model = acc.prepare(model)
+    expected = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    acc.save_model(model, mpi_tmp_path / "model")
+    loaded = load_model_state(mpi_tmp_path / "model")
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        assert _same_bytes(loaded[key], value), key
+    assert loaded["1.weight"].shape == (4, 0) and loaded["tall"].shape == (0, 3)
+    assert _ckpt("verify", mpi_tmp_path / "model")[0] == 0
+    code, text = _ckpt("ls", mpi_tmp_path / "model")
+    assert code == 0 and any(line.split()[:3] == ["model/1.weight", "float32", "4x0"]
+                             for line in text.splitlines()), text
+    state = {"np": np.zeros((2, 0)), "t": torch.zeros(0, 3, 0, dtype=torch.int16)}
+    holder = Holder(state)
+    acc.register_for_checkpointing(holder)
+    acc.save_state(mpi_tmp_path / "state")
+    with torch.no_grad():
+        acc.unwrap_model(model)[0].weight.zero_()
+    acc.load_state(mpi_tmp_path / "state")
+    for key, value in acc.unwrap_model(model).state_dict().items():
+        assert _same_bytes(value, expected[key]), key
+    assert holder.loaded["np"].shape == (2, 0) and holder.loaded["np"].dtype == np.float64
+    assert holder.loaded["t"].shape == (0, 3, 0) and holder.loaded["t"].dtype == torch.int16
+
+
+# -- dtypes numpy has no type for --------------------------------------------------------------
+
+def _raw(dtype, shape):
+    """Random bytes as a tensor of `dtype` (NaN payloads and all)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    data = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), dtype=torch.uint8)
+    return data.view(dtype)
+
+
+NUMPYLESS = [
+    (torch.complex32, "uint32"),
+    *[(getattr(torch, name), "uint8") for name in ("float8_e8m0fnu", "float4_e2m1fn_x2")
+      if hasattr(torch, name)],
+]
+
+
+@pytest.mark.parametrize(("dtype", "stored"), NUMPYLESS, ids=lambda v: str(v))
+def test_dtypes_numpy_lacks_are_stored_as_raw_integers(mpi_tmp_path, comm, dtype, stored):
+    torch.manual_seed(0)
+    state = {"t": _raw(dtype, (3, 4)), "strided": _raw(dtype, (4, 6))[:, ::2],
+             "scalar": _raw(dtype, (1,))[0], "empty": _raw(dtype, (0,))}
+    _save(mpi_tmp_path / "state", state)
+    loaded = _load(mpi_tmp_path / "state")
+    for key, value in state.items():
+        assert _same_bytes(loaded[key], value), key
+    index = json.loads((mpi_tmp_path / "state" / "state.index.json").read_text())
+    entry = index["tensors"]["custom_0/t"]
+    assert entry["dtype"] == str(dtype).removeprefix("torch.")
+    with h5py.File(mpi_tmp_path / "state" / entry["file"]) as f:
+        assert f["custom_0/t"].dtype == np.dtype(stored)
+        assert f["custom_0/t"].attrs["torch_dtype"] == entry["dtype"]
+    assert _ckpt("verify", mpi_tmp_path / "state")[0] == 0
+    reset_state()
+    acc = Accelerator()
+    module = torch.nn.Module()
+    # a parameter: at size N buffers are broadcast from rank 0 first, which gloo cannot do for
+    # every one of these dtypes
+    module.w = torch.nn.Parameter(state["t"], requires_grad=False)
+    acc.save_model(module, mpi_tmp_path / "model")
+    assert _same_bytes(load_model_state(mpi_tmp_path / "model")["w"], state["t"])
+
+
+def test_lazily_conjugated_tensors_are_stored_resolved(mpi_tmp_path, comm):
+    z = torch.randn(3, 2, dtype=torch.complex64)
+    # one element: contiguous, so .contiguous() keeps the negative bit of the view
+    state = {"conj": z.conj(), "neg": torch.tensor([1 + 2j]).conj().imag}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    _save(mpi_tmp_path / "conj", state)
+    loaded = _load(mpi_tmp_path / "conj")
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value.resolve_conj().resolve_neg()), key
+
+
+# -- numpy scalars -----------------------------------------------------------------------------
+
+def test_numpy_scalars_come_back_with_their_type(mpi_tmp_path, comm):
+    state = {
+        "f64": np.float64(2.5), "f64_nan": np.float64("nan"), "f32_inf": np.float32("-inf"),
+        "f16": np.float16(0.1), "str": np.str_("hï ✓"), "empty_str": np.str_(""),
+        "i8": np.int8(-3), "u64": np.uint64(2**64 - 1), "bool": np.bool_(True),
+        "nested": [np.float64(1.0), (np.str_("t"),)],
+    }
+    _save(mpi_tmp_path / "np", state)
+    loaded = _load(mpi_tmp_path / "np")
+
+    def same(a, b):
+        if isinstance(b, (list, tuple)):
+            return type(a) is type(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and (a == b or (a != a and b != b))
+
+    for key, value in state.items():
+        assert same(loaded[key], value), (key, loaded[key], value)
+
+    def no_constant(name):  # NaN / Infinity: not JSON, and not in the index
+        raise AssertionError(f"{name} in the index")
+
+    json.loads((mpi_tmp_path / "np" / "state.index.json").read_text(),
+               parse_constant=no_constant)
+    # an index written before: np.float32 NaN as a bare NaN, np.float64 as a plain float
+    # (and np.float64 infinity as its repr under numpy 2, which no earlier version could read)
+    old = json.loads('{"a": {"__npscalar__": "float32", "value": NaN}, "b": 2.5, '
+                     '"c": {"__float__": "np.float64(-inf)"}, "d": {"__float__": "nan"}}')
+    back = unflatten(old, None)
+    assert type(back["a"]) is np.float32 and np.isnan(back["a"]) and type(back["b"]) is float
+    assert back["c"] == -np.inf and np.isnan(back["d"])
+
+
+# -- what a checkpoint refuses -----------------------------------------------------------------
+
+def _quantized():
+    return torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+
+
+REFUSED = {
+    "sparse": (lambda: torch.eye(3).to_sparse(), "sparse_coo tensor"),
+    "sparse_csr": (lambda: torch.eye(3).to_sparse_csr(), "sparse_csr tensor"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+               "nested tensor"),
+    "meta": (lambda: torch.empty(3, device="meta"), "meta tensor"),
+    "quantized": (_quantized, "dtype qint8"),
+    "str_array": (lambda: np.array(["a", "bc"]), "dtype <U2"),
+    "object_array": (lambda: np.array([1, "x"], dtype=object), "dtype object"),
+    "datetime_array": (lambda: np.array(["2020-01-01"], dtype="datetime64[D]"), "datetime64"),
+    "masked_array": (lambda: np.ma.masked_array([1, 2], mask=[0, 1]), "masked array"),
+    "complex_scalar": (lambda: np.complex128(1 + 2j), "numpy scalar complex128"),
+    "datetime_scalar": (lambda: np.datetime64("2020-01-01"), "numpy scalar datetime64"),
+    "bytes_scalar": (lambda: np.bytes_(b"ab"), "numpy scalar bytes_"),
+}
+if np.dtype(np.longdouble).itemsize > 8:  # wider than float64 here: not exact as a JSON number
+    REFUSED["longdouble_scalar"] = (lambda: np.longdouble(1) / 3, "numpy scalar longdouble")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # nested tensors are a prototype
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_values_a_checkpoint_cannot_hold_are_named_before_anything_is_written(
+    mpi_tmp_path, comm, case
+):
+    make, what = REFUSED[case]
+    value = make()
+    good = mpi_tmp_path / "good"
+    acc = _save(good, {"w": torch.ones(3), "bad": 1.0})
+    before = sorted(os.listdir(good))
+    acc.register_for_checkpointing(Holder({"w": torch.ones(3), "bad": [value]}))
+    for target in (good, mpi_tmp_path / "new"):
+        with pytest.raises(CollectiveError) as info:
+            acc.save_state(target)
+        message = str(info.value)
+        assert info.value.failed_ranks == list(range(comm.size)), message
+        assert "collecting the state" in message and "CheckpointError" in message, message
+        assert "at key custom_1/bad.0: " in message and what in message, message
+        assert "checkpoints hold" in message and "HINT" in message, message
+    acc.wait_for_everyone()
+    assert sorted(os.listdir(good)) == before and not os.path.exists(mpi_tmp_path / "new")
+    with pytest.raises(CheckpointError, match=r"at key c/bad\.0: "):
+        flatten({"bad": [value]}, "c")
