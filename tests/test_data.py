@@ -1,0 +1,283 @@
+"""Dataloader sharding through Accelerator.prepare: iterable datasets, batch samplers of
+variable-size batches, random samplers with replacement. The same bodies run at size 1 and under
+mpiexec -n 2/4; the batches expected on each rank are Accelerate's (1.15, prepare_data_loader)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+
+from mpaccel import Accelerator
+from mpaccel.errors import ConfigurationError
+from mpaccel.testing import reset_state
+
+
+def _fresh(**kwargs) -> Accelerator:
+    reset_state()
+    return Accelerator(**kwargs)
+
+
+def _lists(loader) -> list:
+    return [batch.tolist() for batch in loader]
+
+
+class Stream(IterableDataset):
+    """range(n) as a stream, in an order that follows set_epoch (identity at epoch 0)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch, self.epochs_heard = n, 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.epochs_heard.append(epoch)
+
+    def __iter__(self):
+        if self.epoch == 0:
+            return iter(range(self.n))
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)))
+
+
+class SizedStream(Stream):
+    def __len__(self) -> int:
+        return self.n
+
+
+class GeneratorStream(IterableDataset):
+    """Shuffles with its `generator` attribute, seeded differently on every rank."""
+
+    def __init__(self, n: int, rank: int) -> None:
+        self.n, self.generator = n, torch.Generator().manual_seed(1000 + rank)
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=self.generator).tolist())
+
+
+class VariableBatches(Sampler):
+    """A batch sampler without a batch_size attribute."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class BatchStream(IterableDataset):
+    """An iterable dataset that yields whole batches (used with batch_size=None)."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return (torch.tensor(batch) for batch in self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("even_batches", [True, False])
+@pytest.mark.parametrize("split_batches", [False, True])
+def test_an_iterable_dataset_is_dealt_like_the_same_samples_in_a_list(
+    comm, split_batches, even_batches, drop_last
+):
+    for length, batch_size in [(10, 2), (23, 4), (3, 4), (16, 4)]:
+        acc = _fresh(split_batches=split_batches, even_batches=even_batches)
+        if split_batches and batch_size % comm.size:
+            with pytest.raises(ConfigurationError, match="divisible"):
+                acc.prepare(DataLoader(Stream(length), batch_size=batch_size))
+            continue
+        stream = acc.prepare(DataLoader(SizedStream(length), batch_size, drop_last=drop_last))
+        listed = acc.prepare(DataLoader(list(range(length)), batch_size, drop_last=drop_last))
+        got = _lists(stream)  # one pass: the next would hear epoch 1 and reshuffle
+        assert got == _lists(listed), (length, batch_size)
+        assert len(stream) == len(got)
+        assert stream.remainder == listed.remainder
+        assert stream.total_batch_size == listed.total_batch_size
+        if comm.size == 1:  # the loader's own batches, unchanged
+            plain = DataLoader(list(range(length)), batch_size, drop_last=drop_last)
+            assert got == _lists(plain)
+
+
+@pytest.mark.parametrize("even_batches", [True, False])
+def test_an_iterable_dataset_gives_each_rank_accelerates_batches(comm, even_batches):
+    acc = _fresh(even_batches=even_batches)
+    loader = acc.prepare(DataLoader(Stream(10), batch_size=2))
+    expected = {
+        # even_batches: the first samples are repeated to complete the last round
+        True: {
+            1: [[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]],
+            2: [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [0, 1]]],
+            3: [[[0, 1], [6, 7]], [[2, 3], [8, 9]], [[4, 5], [0, 1]]],
+            4: [[[0, 1], [8, 9]], [[2, 3], [0, 1]], [[4, 5], [2, 3]], [[6, 7], [4, 5]]],
+        },
+        # nothing repeated: the ranks past the last samples take one batch less
+        False: {
+            1: [[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]],
+            2: [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7]]],
+            3: [[[0, 1], [6, 7]], [[2, 3], [8, 9]], [[4, 5]]],
+            4: [[[0, 1], [8, 9]], [[2, 3]], [[4, 5]], [[6, 7]]],
+        },
+    }[even_batches][comm.size]
+    seen, flags = [], []
+    for batch in loader:
+        assert batch.device == acc.device
+        seen.append(batch.tolist())
+        flags.append(acc.gradient_state.end_of_dataloader)
+    assert seen == expected[comm.rank]
+    assert flags[-1] is True and not any(flags[:-1])
+    assert loader.remainder == -1  # the stream has no length
+    with pytest.raises(TypeError):
+        len(loader)
+
+
+def test_an_iterable_dataset_with_a_length_gathers_each_sample_once(comm):
+    acc = _fresh()
+    loader = acc.prepare(DataLoader(SizedStream(23), batch_size=3))
+    assert loader.remainder == 23 % (3 * comm.size)
+    assert len(loader) == -(-23 // (3 * comm.size))  # at size 1: the loader's 8 batches
+    gathered = [acc.gather_for_metrics(batch) for batch in loader]
+    assert len(gathered) == len(loader)
+    assert torch.cat(gathered).tolist() == list(range(23))
+
+
+def test_an_iterable_dataset_hears_the_epoch_and_its_generator_is_agreed(comm):
+    torch.manual_seed(1234 + comm.rank)  # each rank's own RNG differs: it must not matter
+    acc = _fresh()
+    dataset = Stream(40)
+    loader = acc.prepare(DataLoader(dataset, batch_size=2))
+    loader.set_epoch(3)
+    assert dataset.epoch == 3
+    first = [v for batch in loader for v in batch.tolist()]
+    second = [v for batch in loader for v in batch.tolist()]  # no set_epoch: the next epoch
+    assert dataset.epochs_heard[-2:] == [3, 4]
+    assert first != second
+
+    # A stream drawing from its own `generator` (each rank's seeded differently) is made to
+    # draw the same on every rank: together the ranks see each sample once, new each pass.
+    loader = acc.prepare(DataLoader(GeneratorStream(40, comm.rank), batch_size=2))
+    orders = []
+    for _ in range(2):
+        mine = [v for batch in loader for v in batch.tolist()]
+        orders.append(mine)
+        everyone = [v for part in comm.allgather(mine) for v in part]
+        if 40 % (2 * comm.size) == 0:
+            assert sorted(everyone) == list(range(40))
+    assert orders[0] != orders[1]
+
+
+B4 = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9]]
+B5 = [*B4, [10, 11]]
+# Accelerate's batches per rank for these batch samplers (even_batches: the last round is
+# completed with the epoch's first batches, whole).
+WHOLE_BATCHES = {
+    (4, True): {
+        1: [B4],
+        2: [[B4[0], B4[2]], [B4[1], B4[3]]],
+        3: [[B4[0], B4[3]], [B4[1], B4[0]], [B4[2], B4[1]]],
+        4: [[B4[0]], [B4[1]], [B4[2]], [B4[3]]],
+    },
+    (4, False): {
+        1: [B4],
+        2: [[B4[0], B4[2]], [B4[1], B4[3]]],
+        3: [[B4[0], B4[3]], [B4[1]], [B4[2]]],
+        4: [[B4[0]], [B4[1]], [B4[2]], [B4[3]]],
+    },
+    (5, True): {
+        1: [B5],
+        2: [[B5[0], B5[2], B5[4]], [B5[1], B5[3], B5[0]]],
+        3: [[B5[0], B5[3]], [B5[1], B5[4]], [B5[2], B5[0]]],
+        4: [[B5[0], B5[4]], [B5[1], B5[0]], [B5[2], B5[1]], [B5[3], B5[2]]],
+    },
+    (5, False): {
+        1: [B5],
+        2: [[B5[0], B5[2], B5[4]], [B5[1], B5[3]]],
+        3: [[B5[0], B5[3]], [B5[1], B5[4]], [B5[2]]],
+        4: [[B5[0], B5[4]], [B5[1]], [B5[2]], [B5[3]]],
+    },
+}
+
+
+@pytest.mark.parametrize("source", ["batch_sampler", "iterable"])
+@pytest.mark.parametrize("even_batches", [True, False])
+@pytest.mark.parametrize("batches", [B4, B5], ids=["4_batches", "5_batches"])
+def test_batches_of_unknown_size_are_dealt_whole(comm, batches, even_batches, source):
+    acc = _fresh(even_batches=even_batches)
+    if source == "batch_sampler":
+        original = DataLoader(list(range(12)), batch_sampler=VariableBatches(batches))
+    else:  # an iterable dataset yielding whole batches
+        original = DataLoader(BatchStream(batches), batch_size=None)
+    loader = acc.prepare(original)
+    seen, flags = [], []
+    for batch in loader:
+        seen.append(batch.tolist())
+        flags.append(acc.gradient_state.end_of_dataloader)
+    assert seen == WHOLE_BATCHES[len(batches), even_batches][comm.size][comm.rank]
+    assert flags[-1] is True and not any(flags[:-1])
+    assert len(loader) == len(seen)
+    assert loader.remainder == -1  # no batch size: how many samples are real is unknown
+    assert loader.total_batch_size is None and loader.batch_size is None
+
+
+@pytest.mark.parametrize("source", ["batch_sampler", "iterable"])
+def test_split_batches_needs_a_batch_size(comm, source):
+    acc = _fresh(split_batches=True)
+    if source == "batch_sampler":
+        original = DataLoader(list(range(12)), batch_sampler=VariableBatches(B4))
+    else:
+        original = DataLoader(BatchStream(B4), batch_size=None)
+    with pytest.raises(ConfigurationError, match="batch size") as error:
+        acc.prepare(original)
+    assert "HINT: use split_batches=False" in str(error.value)
+
+
+@pytest.mark.parametrize("source", ["iterable", "batch_sampler"])
+def test_resume_mid_epoch(comm, mpi_tmp_path, source):
+    def prepared():
+        acc = _fresh()
+        if source == "iterable":
+            original = DataLoader(SizedStream(48), batch_size=2)
+        else:
+            original = DataLoader(list(range(40)), batch_sampler=VariableBatches([*B5, *B5]))
+        return acc, acc.prepare(original)
+
+    acc, loader = prepared()
+    loader.set_epoch(1)
+    whole_epoch = _lists(loader)
+    loader.set_epoch(1)
+    for _ in loader:
+        acc.save_state(mpi_tmp_path / "ckpt")  # after the first batch, mid-epoch
+        break
+    acc, loader = prepared()
+    acc.load_state(mpi_tmp_path / "ckpt")
+    assert _lists(loader) == whole_epoch[1:]
+
+
+def test_random_sampler_with_replacement_keeps_its_num_samples(comm):
+    torch.manual_seed(1234 + comm.rank)  # each rank's own RNG differs: it must not matter
+    acc = _fresh()
+    sampler = RandomSampler(range(10), replacement=True, num_samples=40)
+    loader = acc.prepare(DataLoader(list(range(10)), batch_size=5, sampler=sampler))
+    n, r = comm.size, comm.rank
+    assert len(loader) == -(-8 // n)  # 40 samples, 8 batches of 5, dealt out to n ranks
+    epochs = []
+    for epoch in (0, 1, 0):
+        loader.set_epoch(epoch)
+        mine = _lists(loader)
+        # This rank's view of the epoch's draw (the sampler a checkpoint records): one and the
+        # same on every rank, and this rank's batches are its share of it.
+        loader.set_epoch(epoch)
+        draw = list(loader._sampler())
+        assert len(draw) == 40 and len(set(draw)) < 40  # drawn with replacement
+        assert comm.allgather(draw) == [draw] * n
+        batches = [draw[i : i + 5] for i in range(0, 40, 5)]
+        assert mine[: len(batches[r::n])] == batches[r::n]
+        if 8 % n == 0:
+            assert sum(comm.allgather(sum(len(b) for b in mine))) == 40
+        epochs.append(draw)
+    assert epochs[0] != epochs[1]  # a new draw each epoch...
+    assert epochs[0] == epochs[2]  # ...and the same one for the same epoch
