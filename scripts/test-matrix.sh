@@ -47,7 +47,8 @@ pytest_stage size-1 -- tests
 # mpiexec -n 1: a real MPI world of one (not a singleton); the suites that launch jobs of their
 # own are left to the size-1 pass, since mpiexec cannot portably be nested inside a rank.
 pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- tests/test_process_control.py tests/test_training.py \
-  tests/test_checkpoint.py tests/test_checkpoint_sink.py tests/test_device.py \
+  tests/test_checkpoint.py tests/test_checkpoint_sink.py tests/test_checkpoint_format.py \
+  tests/test_data.py tests/test_device.py \
   tests/test_spec_examples.py tests/test_discovery.py tests/test_env.py
 pytest_stage mpich-n2 "$MPIEXEC" -n 2 -- tests
 pytest_stage mpich-n4 "$MPIEXEC" -n 4 -- tests
