@@ -457,9 +457,16 @@ def test_buffers_are_saved_as_rank_0_has_them(mpi_tmp_path, comm):
     acc = Accelerator()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    # buffers changed on each rank, of other dtypes (sent as bytes); float8 would be too, but
+    # DDP itself cannot broadcast one over gloo
+    net.register_buffer("mask", torch.zeros(3, dtype=torch.bool))
+    net.register_buffer("scale", torch.zeros(2, dtype=torch.bfloat16))
     model = acc.prepare(net)
     model(torch.randn(8, 4) + acc.process_index)  # rank-dependent batch statistics
-    live = acc.unwrap_model(model)[1].running_mean.clone()
+    inner = acc.unwrap_model(model)
+    inner.mask[acc.process_index % 3] = True
+    inner.scale.fill_(float(acc.process_index + 1))
+    live = inner[1].running_mean.clone()
     means = comm.allgather(live.tolist())
     if comm.size > 1:
         assert means[0] != means[1]
@@ -467,7 +474,10 @@ def test_buffers_are_saved_as_rank_0_has_them(mpi_tmp_path, comm):
     saved = load_model_state(mpi_tmp_path / "bn")
     assert saved["1.running_mean"].tolist() == means[0]
     assert saved["1.num_batches_tracked"].item() == 1
-    assert torch.equal(acc.unwrap_model(model)[1].running_mean, live)  # untouched
+    assert saved["mask"].tolist() == [True, False, False]
+    assert saved["scale"].tolist() == [1.0, 1.0]
+    assert torch.equal(inner[1].running_mean, live)  # untouched
+    assert inner.scale.tolist() == [acc.process_index + 1.0] * 2
     acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
     acc.save_state(mpi_tmp_path / "bn-state")
     with CheckpointReader(str(mpi_tmp_path / "bn-state"), "state") as reader:
@@ -488,6 +498,68 @@ def test_every_directory_a_save_creates_is_made_durable(tmp_path, monkeypatch):
     synced.clear()
     storage._make_directory(str(tmp_path / "project"))  # exists: nothing created, nothing synced
     assert synced == []
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self, tie):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def test_a_tied_model_loads_an_untied_checkpoint_as_torch_does(mpi_tmp_path, comm):
+    # Two keys of the live state_dict share memory: reading both in place would let the second
+    # overwrite the first before its checksum is checked ("corrupted"). torch's
+    # load_state_dict copies one after the other: the tensor ends up with the last key's values.
+    reset_state()
+    acc = Accelerator()
+    torch.manual_seed(0)
+    untied = acc.prepare(_Tied(tie=False))
+    acc.save_state(mpi_tmp_path / "untied")
+    saved = acc.unwrap_model(untied).state_dict()
+    reset_state()
+    acc = Accelerator()
+    tied = acc.prepare(_Tied(tie=True))
+    acc.load_state(mpi_tmp_path / "untied")
+    expected = _Tied(tie=True)
+    expected.load_state_dict(saved)
+    inner = acc.unwrap_model(tied)
+    assert inner.head.weight is inner.emb.weight
+    assert torch.equal(inner.emb.weight, expected.emb.weight)
+    assert torch.equal(inner.emb.weight, saved["head.weight"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_model_that_differs_on_one_rank_fails_the_load_before_any_rank_applies_it(
+    mpi_tmp_path, comm
+):
+    def build():
+        reset_state()
+        acc = Accelerator()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+        model = acc.prepare(net)
+        acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        acc.register_for_checkpointing(progress := Progress())
+        return acc, model, progress
+
+    acc, model, progress = build()
+    progress.epoch = 5
+    acc.step = 3
+    acc.save_state(mpi_tmp_path / "saved")
+    acc, model, progress = build()
+    if acc.process_index == acc.num_processes - 1:  # after prepare: DDP would refuse it
+        acc.unwrap_model(model)[1].running_mean = torch.zeros(5)
+    torch.rand(1)
+    rng = torch.get_rng_state()
+    with pytest.raises(CollectiveError) as info:
+        acc.load_state(mpi_tmp_path / "saved")
+    assert info.value.failed_ranks == [comm.size - 1]
+    assert "other shapes: 1.running_mean: [4] in the checkpoint, [5] here" in str(info.value)
+    # no rank applied anything: RNG states, step and custom objects as they were, everywhere
+    assert torch.equal(torch.get_rng_state(), rng) and progress.epoch == 0 and acc.step == 0
 
 
 def test_an_optimizer_of_another_layout_is_refused_untouched(mpi_tmp_path, comm):

@@ -200,3 +200,26 @@ def test_a_script_ending_right_after_an_async_save_commits_it(tmp_path, n):
         run.describe()
     )
     assert (tmp_path / "ok" / "state.index.json").exists()  # the first one was committed
+
+
+def test_batches_of_no_fixed_size_resume_at_another_world_size(tmp_path):
+    # A batch sampler without a batch_size: the position is counted in global batches. Saved at
+    # n=2 after one round (global batches 0 and 1), loaded at n=1: the rest are batches 2..5.
+    body = """
+        from mpaccel.utils import ProjectConfiguration
+        BATCHES = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11], [12]]
+        acc = Accelerator()
+        data = TensorDataset(torch.arange(13))
+        loader = acc.prepare(DataLoader(data, batch_sampler=BATCHES))
+        if sys.argv[2] == "save":
+            for (x,) in loader:
+                acc.save_state(sys.argv[1])
+                break
+        else:
+            acc.load_state(sys.argv[1])
+            print([x.tolist() for (x,) in loader])
+    """
+    script = _write(tmp_path, "variable.py", body)
+    run_mpi([script, str(tmp_path / "ckpt"), "save"], n=2, timeout=180).check()
+    run = run_mpi([script, str(tmp_path / "ckpt"), "load"], n=1, timeout=180).check()
+    assert run.stdout[0].strip() == "[[5, 6, 7, 8], [9], [10, 11], [12]]", run.describe()

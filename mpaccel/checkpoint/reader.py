@@ -4,6 +4,7 @@ h5py where it does not. storage.py writes what this reads."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -259,11 +260,19 @@ class CheckpointReader:
         return list(self.index["components"])
 
     def _plan(
-        self, component: str, document: Any, entries: Mapping[str, Any], into: Any, verify: Any
+        self,
+        component: str,
+        document: Any,
+        entries: Mapping[str, Any],
+        into: Any,
+        verify: Any,
+        claimed: list[tuple[int, int]],
     ) -> tuple[list, dict[str, tuple[Any, np.ndarray]]]:
         """What reading one component's tree takes: the read_arrays items, and the tensors of
         `into` (a tree of the same shape, e.g. the live state_dict) that match and are filled in
-        place, by dataset key."""
+        place, by dataset key. `claimed`: the memory already chosen to be read into; a tensor
+        sharing memory with one of those (tied weights) is read into new memory instead, so
+        that one read does not overwrite another (torch's load_state_dict then copies)."""
         targets = flatten(into, component)[1] if into is not None else {}
         names: list[str] = []
         unflatten(document, lambda name, kind: names.append(name))
@@ -275,6 +284,8 @@ class CheckpointReader:
             if entry is None:
                 raise CheckpointError(f"{self.directory!r}: the index names no tensor {key!r}")
             view = _writable_view(targets.get(name), entry)
+            if view is not None and not _claim(claimed, view):
+                view = None
             if view is not None:
                 reuse[key] = (targets[name], view)
             wanted.append((key, entry, view, verify(key)))
@@ -321,7 +332,10 @@ class CheckpointReader:
         def verify_key(key: str) -> bool:
             return verify and owners[key] == index
 
-        plans = [self._plan(c, documents[c], entries, into, verify_key) for c, into in requests]
+        claimed: list[tuple[int, int]] = []
+        plans = [
+            self._plan(c, documents[c], entries, into, verify_key, claimed) for c, into in requests
+        ]
         arrays = self.read_arrays([item for wanted, _ in plans for item in wanted], index > 0)
         return {
             c: self._build(c, documents[c], entries, arrays, reuse)
@@ -331,7 +345,7 @@ class CheckpointReader:
     def rank_component(self, rank: int, component: str, verify: bool = True) -> Any:
         part = self.index["per_rank"][rank]
         document, entries = part["components"][component], part["tensors"]
-        wanted, reuse = self._plan(component, document, entries, None, lambda key: verify)
+        wanted, reuse = self._plan(component, document, entries, None, lambda key: verify, [])
         return self._build(component, document, entries, self.read_arrays(wanted), reuse)
 
     def verify(self) -> list[str]:
@@ -384,6 +398,18 @@ def _writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:
     if not view.flags.writeable or view.ctypes.data != tensor.data_ptr():
         return None
     return view
+
+
+def _claim(claimed: list[tuple[int, int]], view: np.ndarray) -> bool:
+    """Add the bytes of `view` to the sorted, disjoint (start, end) ranges of `claimed`, unless
+    they overlap one of them (then False)."""
+    start = view.ctypes.data
+    end = start + view.nbytes
+    i = bisect.bisect_left(claimed, (start, end))
+    if (i > 0 and claimed[i - 1][1] > start) or (i < len(claimed) and claimed[i][0] < end):
+        return False
+    claimed.insert(i, (start, end))
+    return True
 
 
 def checksum_owners(entries: Mapping[str, Mapping[str, Any]], count: int) -> dict[str, int]:

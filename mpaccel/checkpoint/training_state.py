@@ -55,7 +55,7 @@ def dataloader_position(shard: Any) -> dict[str, Any]:
     }
 
 
-def restore_dataloader(shard: Any, position: dict[str, Any], same_world: bool) -> None:
+def restore_dataloader(shard: Any, position: dict[str, Any], saved_world: int, world: int) -> None:
     shard.iteration = position["iteration"]
     sampler = shard._sampler()
     if position.get("sampler_epoch") is not None and hasattr(sampler, "epoch"):
@@ -65,14 +65,18 @@ def restore_dataloader(shard: Any, position: dict[str, Any], same_world: bool) -
     if not position["mid_epoch"]:
         return
     batches = position["batches_yielded"]
-    if not same_world:
-        samples = batches * position["total_batch_size"]
-        batches, rest = divmod(samples, shard.total_batch_size)
+    if saved_world != world:
+        saved_total, total = position["total_batch_size"], shard.total_batch_size
+        if saved_total is None or total is None:  # batches of no fixed size: count batches
+            consumed, unit, what = batches * saved_world, world, "batches"
+        else:
+            consumed, unit, what = batches * saved_total, total, "samples"
+        batches, rest = divmod(consumed, unit)
         if rest:
             warnings.warn(
-                f"resuming at another world size: {samples} samples were consumed, not a whole "
-                f"number of the new global batch ({shard.total_batch_size}); "
-                f"{rest} samples of the epoch will be seen twice",
+                f"resuming at another world size: {consumed} {what} were consumed, not a whole "
+                f"number of the new global batch ({unit} {what}); "
+                f"{rest} {what} of the epoch will be seen twice",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -84,7 +88,7 @@ def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
     them. DDP keeps parameters equal across ranks, but buffers (BatchNorm's running statistics)
     only at the start of each forward, when it broadcasts rank 0's; after a forward every rank
     holds its own batch's. The checkpoint takes rank 0's, as DDP's next forward would: copies,
-    broadcast in one message per dtype and device; the model itself is left alone."""
+    broadcast in one message; the model itself is left alone."""
     module = accelerator.unwrap_model(model)
     state = module.state_dict()
     if accelerator.num_processes == 1:
@@ -93,17 +97,19 @@ def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
     layout = [(name, str(state[name].dtype), tuple(state[name].shape)) for name in names]
     if len(set(map(repr, accelerator._partial.comm.allgather(layout, what="save")))) > 1:
         return state  # ranks differ: the checkpoint's layout check names how, on every rank
-    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
-    for name in names:
-        groups.setdefault((state[name].dtype, state[name].device), []).append(name)
-    for (dtype, device), group in sorted(groups.items(), key=lambda item: str(item[0])):
-        flat = torch.cat([state[name].detach().reshape(-1) for name in group])
-        # on the collective's device (NCCL: the GPU); gloo and NCCL have no bool
-        wire = flat.to(accelerator.device, torch.uint8 if dtype == torch.bool else dtype)
+    # As raw bytes, in one message (gloo and NCCL lack bool, float8 and other dtypes), on the
+    # collective's device (NCCL: the GPU).
+    raw = [
+        state[name].detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
+        for name in names
+    ]
+    if raw:
+        wire = torch.cat([part.to(accelerator.device) for part in raw])
         distributed.broadcast(wire, 0)
-        flat = wire.to(device, dtype)
-        for name, part in zip(group, flat.split([state[n].numel() for n in group])):
-            state[name] = part.view(state[name].shape)
+        for name, part in zip(names, wire.split([part.numel() for part in raw])):
+            live = state[name]
+            # a copy: a slice of `wire` may start at an offset the dtype's alignment forbids
+            state[name] = part.to(live.device, copy=True).view(live.dtype).view(live.shape)
     return state
 
 
@@ -148,6 +154,28 @@ def _load_into(name: str, target: Any, state: Any, directory: str) -> None:
             "the checkpoint was written for other objects (another model or optimizer layout, "
             "or prepare() called in another order).",
         ) from exc
+
+
+def _check_model(name: str, live: dict[str, Any], saved: dict[str, Any], directory: str) -> None:
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    shapes = [
+        f"{k}: {list(saved[k].shape)} in the checkpoint, {list(live[k].shape)} here"
+        for k in live
+        if k in saved
+        and isinstance(live[k], torch.Tensor)
+        and isinstance(saved[k], torch.Tensor)
+        and saved[k].shape != live[k].shape
+    ]
+    problems = [f"missing keys {missing}"] if missing else []
+    problems += [f"unexpected keys {unexpected}"] if unexpected else []
+    problems += [f"other shapes: {'; '.join(shapes)}"] if shapes else []
+    if problems:
+        raise CheckpointError(
+            f"cannot load {name} from {directory!r}: " + ", ".join(problems),
+            "the checkpoint was written for another model (or prepare() was called in another "
+            "order).",
+        )
 
 
 def _optimizer_target(opt: Any, document: Any) -> Any:
@@ -201,6 +229,12 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
     ]
     shared += [(c, None) for c in [*others, "scaler", "accelerator"] if c in documents]
     read(lambda: reader.read_components(shared))  # one pass over the files, not one per component
+    for name, live in shared:
+        if name.startswith("model_") and name in trees and not first:
+            # What load_state_dict(strict=True) would refuse in phase 2, refused here, before
+            # any rank applies anything (a rank whose model differs must not be the only one
+            # left without the checkpoint's RNG states, step, scheduler...)
+            _check_model(name, live, trees[name], directory)
     same_world = reader.world_size == accelerator.num_processes
     source = rank if same_world else 0
     per_rank = [  # at another world size: rank 0's dataloader positions only
@@ -233,7 +267,9 @@ def apply(accelerator: Any, trees: dict[str, Any], reader: Any) -> list[str]:
     same_world = reader.world_size == accelerator.num_processes
     for i, shard in enumerate(accelerator._dataloaders):
         if f"rank:dataloader_{i}" in trees:
-            restore_dataloader(shard, trees[f"rank:dataloader_{i}"], same_world)
+            restore_dataloader(
+                shard, trees[f"rank:dataloader_{i}"], reader.world_size, accelerator.num_processes
+            )
     if same_world:
         for i, model in enumerate(accelerator._models):
             grads = trees.get(f"rank:gradients_{i}", {})
