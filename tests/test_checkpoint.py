@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from mpaccel import Accelerator, AcceleratorState, CollectiveError
-from mpaccel.checkpoint import CheckpointReader, load_model_state
+from mpaccel.checkpoint import CheckpointError, CheckpointReader, load_model_state
 from mpaccel.checkpoint.format import flatten, parse_size, unflatten
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedDataParallelKwargs, ProjectConfiguration
@@ -560,6 +560,46 @@ def test_a_model_that_differs_on_one_rank_fails_the_load_before_any_rank_applies
     assert "other shapes: 1.running_mean: [4] in the checkpoint, [5] here" in str(info.value)
     # no rank applied anything: RNG states, step and custom objects as they were, everywhere
     assert torch.equal(torch.get_rng_state(), rng) and progress.epoch == 0 and acc.step == 0
+
+
+def test_loading_the_other_kind_of_checkpoint_says_so(mpi_tmp_path, comm):
+    acc, model, opt, sched, loader, progress = _setup()
+    acc.save_model(model, mpi_tmp_path / "weights")
+    acc.save_state(mpi_tmp_path / "state")
+    with pytest.raises(CollectiveError, match=r"holds a save_model\(\) checkpoint"):
+        acc.load_state(mpi_tmp_path / "weights")
+    with pytest.raises(CheckpointError, match=r"holds a save_state\(\) checkpoint"):
+        load_model_state(mpi_tmp_path / "state")
+
+
+def test_a_failed_commit_removes_the_new_files_and_keeps_the_old_checkpoint(
+    mpi_tmp_path, comm, monkeypatch
+):
+    from mpaccel.checkpoint import storage
+
+    acc, model, opt, sched, loader, progress = _setup()
+    target = mpi_tmp_path / "ckpt"
+    acc.save_state(target)
+    before = sorted(os.listdir(target))
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage, "write_index", full_disk)
+    with pytest.raises(CollectiveError, match="committing the index"):
+        acc.save_state(target)
+    acc.wait_for_everyone()  # every rank has removed its files
+    assert sorted(os.listdir(target)) == before  # no shard of the failed save is left behind
+    acc.load_state(target)
+    # A failure once the index is in place (here: removing the previous save's files) is an
+    # error too, but the new checkpoint is committed: its files stay.
+    monkeypatch.undo()
+    monkeypatch.setattr(storage, "remove_stale", full_disk)
+    with pytest.raises(CollectiveError, match="committing the index"):
+        acc.save_state(target)
+    acc.load_state(target)
+    with CheckpointReader(str(target), "state") as reader:
+        assert reader.verify() == []
 
 
 def test_an_optimizer_of_another_layout_is_refused_untouched(mpi_tmp_path, comm):

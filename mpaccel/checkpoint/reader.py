@@ -45,16 +45,32 @@ class CheckpointReader:
         self.directory = directory
         self.stem = stem
         self.node_share = node_share
-        path = os.path.join(directory, f"{stem}.index.json")
+        path = _index_path(directory, stem)
         if not os.path.isdir(directory):
             raise CheckpointError(f"no checkpoint at {directory!r}: the directory does not exist")
         try:
             with open(path) as f:
                 self.index = json.load(f)
         except FileNotFoundError:
+            kinds = {"model": "save_model", "state": "save_state"}
+            other = next(
+                (s for s in kinds if s != stem and os.path.isfile(_index_path(directory, s))),
+                None,
+            )
+            hint = "a save that was interrupted leaves no index; load the previous checkpoint."
+            if other is not None:
+                hint = (
+                    f"it holds a {kinds[other]}() checkpoint ({other}.index.json): "
+                    + (
+                        "load it with mpaccel.checkpoint.load_model_state(directory) and "
+                        "model.load_state_dict()."
+                        if other == "model"
+                        else "load it with accelerator.load_state(directory)."
+                    )
+                )
             raise CheckpointError(
                 f"{directory!r} holds no committed checkpoint: {os.path.basename(path)} is missing",
-                "a save that was interrupted leaves no index; load the previous checkpoint.",
+                hint,
             ) from None
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{path!r} is not valid JSON: {exc}") from exc
@@ -376,6 +392,10 @@ class CheckpointReader:
                 f"{entry['dtype']} {entry['shape']}",
                 "the file was changed after the save; restore it, or load an earlier checkpoint.",
             )
+
+
+def _index_path(directory: str, stem: str) -> str:
+    return os.path.join(directory, f"{stem}.index.json")
 
 
 def _writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:

@@ -335,26 +335,44 @@ def write_checkpoint(
         "file_sizes": {name: size for _, _, part in gathered for name, size in part.items()},
     }
     error = None
+    committed = False
     if comm.rank == 0:
         try:
-            commit_index(directory, stem, index)
+            write_index(directory, stem, index)
+            committed = True  # from here on, a failure must not take its files away
+            _fsync_path(directory)
+            remove_stale(directory, stem, index)
         except Exception as exc:
             error = CheckpointError(f"cannot commit the index of {directory!r}: {exc}")
             error.__cause__ = exc
-    comm.agree(error, what + " (committing the index)")
+    committed = comm.bcast(committed, what=what)
+    try:
+        comm.agree(error, what + " (committing the index)")
+    except Exception:
+        if not committed:  # a save that will never be loaded: its files go
+            _remove(written)
+        raise
     return index
 
 
-def commit_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
-    """Write the index atomically, then remove files of this stem that it does not name."""
+def write_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
+    """Put the index in place atomically (temp file, fsync, rename); if that fails, the temp
+    file is removed. The caller fsyncs the directory."""
     final = os.path.join(directory, f"{stem}.index.json")
     temp = f"{final}.tmp-{index['save_id']}"
-    with open(temp, "w") as f:
-        json.dump(index, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, final)
-    _fsync_path(directory)
+    try:
+        with open(temp, "w") as f:
+            json.dump(index, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        _remove([temp])
+        raise
+
+
+def remove_stale(directory: str, stem: str, index: Mapping[str, Any]) -> None:
+    """Remove the files of this stem that the committed index does not name."""
     keep = set(index["shards"]) | {p["file"] for p in index["per_rank"]}
     # shards and per-rank files of earlier or interrupted saves, and index temp files of
     # saves that died between writing and renaming them
