@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .errors import ConfigurationError
+
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -104,7 +106,17 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def unscale_gradients(self) -> None:
-        """fp16: divide the gradients by the loss scale, once per step (before clipping)."""
+        """fp16: divide the gradients by the loss scale, once per step (before clipping). Only
+        on a micro-batch that syncs gradients: before that, the next backward adds scaled
+        gradients to the sum, which must stay scaled too."""
+        if self.scaler is not None and not self.gradient_state.sync_gradients:
+            raise ConfigurationError(
+                "fp16 gradients unscaled (clip_grad_norm_, clip_grad_value_ or "
+                "unscale_gradients) on a micro-batch that accumulates: the next backward would "
+                "add scaled gradients to unscaled ones, and the step would be wrong",
+                "clip once per optimizer step: `if accelerator.sync_gradients: "
+                "accelerator.clip_grad_norm_(...)`.",
+            )
         if self.scaler is not None and not self._unscaled:
             self.scaler.unscale_(self.optimizer)
             self._unscaled = True

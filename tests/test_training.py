@@ -549,6 +549,28 @@ def test_fp16_clipping_sees_unscaled_gradients(comm):
     assert clipped <= 1e-3 * 1.01
 
 
+def test_fp16_clipping_while_accumulating_is_refused(comm):
+    # Unscaling on a micro-batch that accumulates would let the next backward add scaled
+    # gradients to unscaled ones (Accelerate: torch raises only at the next unscale, after
+    # the damage). Refused at once; clipping when sync_gradients is set works.
+    acc = _fresh(mixed_precision="fp16", gradient_accumulation_steps=2)
+    model = _model()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(5))
+    with acc.accumulate(model):
+        acc.backward(model(x).pow(2).mean())
+        assert not acc.sync_gradients
+        with pytest.raises(ConfigurationError, match="micro-batch that accumulates"):
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(ConfigurationError, match=r"if accelerator\.sync_gradients"):
+            acc.clip_grad_value_(model.parameters(), 1.0)
+    with acc.accumulate(model):
+        acc.backward(model(x).pow(2).mean())
+        assert acc.sync_gradients
+        assert torch.isfinite(acc.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+
+
 def test_clip_grad_value_and_save(comm, mpi_tmp_path):
     acc = _fresh()
     model = acc.prepare(_model())
