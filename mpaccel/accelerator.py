@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import checkpoint, distributed, ops
+from . import checkpoint, distributed, ops, tracking
 from . import slurm as slurm_support
 from .data import DataLoaderShard, prepare_data_loader
 from .errors import ConfigurationError
@@ -122,7 +122,8 @@ class Accelerator:
         self.project_configuration = project_config
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types if rng_types is not None else ["generator"]
-        self.log_with = log_with
+        self.log_with = tracking.resolve(log_with)  # an unknown tracker is an error now
+        self.trackers: list[tracking.GeneralTracker] = []
         self.dynamo_backend = dynamo_backend
         self._trigger = 0
         self.step = 0  # micro-batches since the last optimizer step (gradient accumulation)
@@ -301,6 +302,56 @@ class Accelerator:
 
     def destroy_process_group(self, group: Any = None) -> None:
         self._partial.destroy_process_group(group)
+
+    # -- experiment trackers (main process only; see mpaccel.tracking) ------------------------
+
+    def init_trackers(
+        self,
+        project_name: str,
+        config: dict[str, Any] | None = None,
+        init_kwargs: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Start the trackers of `log_with` on the main process and record `config` there.
+        Not collective; call it on every rank (the others do nothing)."""
+        if not self.is_main_process:
+            return
+        self.trackers = tracking.start(
+            self.log_with, project_name, self.logging_dir, init_kwargs or {}
+        )
+        if config is not None:
+            for tracker in self.trackers:
+                tracker.store_init_configuration(config)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker called `name` (its underlying object if `unwrap`); on the other
+        processes, a blank tracker whose methods do nothing."""
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        if self.is_main_process:
+            raise ConfigurationError(
+                f"no tracker named {name!r} (running: {[t.name for t in self.trackers]})",
+                "pass it to Accelerator(log_with=...) and call init_trackers() first.",
+            )
+        return tracking.GeneralTracker(_blank=True)
+
+    def log(
+        self,
+        values: dict[str, Any],
+        step: int | None = None,
+        log_kwargs: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Record `values` at `step` with every tracker (main process only; not collective)."""
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
+
+    def end_training(self) -> None:
+        """Collective: finish the trackers, then tear down torch.distributed (as Accelerate)."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+        self.wait_for_checkpoint()  # an async save still being written is committed first
+        self.destroy_process_group()
 
     # -- preparing objects -----------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ the batch size: data-parallel training must end with the same parameters."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -12,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from mpaccel import Accelerator, AcceleratorState, distributed
 from mpaccel.errors import ConfigurationError
 from mpaccel.testing import reset_state
+from mpaccel.tracking import GeneralTracker
 from mpaccel.utils import (
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
@@ -597,3 +600,64 @@ def test_get_logger(comm, caplog):
         logger.info("everyone", main_process_only=False)
     messages = [rec.getMessage() for rec in caplog.records]
     assert messages == (["main only", "everyone"] if comm.rank == 0 else ["everyone"])
+
+
+class _Recorder(GeneralTracker):
+    name = "recorder"
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    @property
+    def tracker(self):
+        return self.calls
+
+    def store_init_configuration(self, values):
+        self.calls.append(("config", dict(values)))
+
+    def log(self, values, step=None, **kwargs):
+        self.calls.append(("log", dict(values), step, kwargs))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_trackers_log_on_the_main_process_and_end_training(comm):
+    recorder = _Recorder()
+    acc = _fresh(log_with=[recorder])
+    acc.init_trackers("run", config={"lr": 0.1})
+    acc.log({"loss": 1.5}, step=3, log_kwargs={"recorder": {"flush": True}})
+    tracker = acc.get_tracker("recorder")
+    if acc.is_main_process:
+        assert tracker is recorder and acc.get_tracker("recorder", unwrap=True) is recorder.calls
+        with pytest.raises(ConfigurationError, match="no tracker named 'wandb'"):
+            acc.get_tracker("wandb")
+    else:  # a blank one: the same code runs everywhere
+        assert tracker is not recorder
+        tracker.log({"loss": 0.0}, step=0)
+    acc.end_training()
+    assert not distributed.is_initialized()
+    expected = [("config", {"lr": 0.1}), ("log", {"loss": 1.5}, 3, {"flush": True}), ("finish",)]
+    assert recorder.calls == (expected if acc.is_main_process else [])
+
+
+def test_a_tracker_that_cannot_be_built_is_an_error_at_once(comm, tmp_path):
+    with pytest.raises(ConfigurationError, match="builds only"):
+        _fresh(log_with="wandb")
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(ConfigurationError, match="needs the 'tensorboard' package"):
+            _fresh(log_with="tensorboard")
+        return
+    # with tensorboard installed (the dev extra): events written under logging_dir/run
+    acc = _fresh(log_with="all", project_dir=str(tmp_path))
+    acc.init_trackers("run", config={"lr": 0.1, "optimizer": "adam"})
+    acc.log({"loss": 0.5, "note": "ok", "parts": {"a": 1.0, "b": 2.0}}, step=1)
+    writer = acc.get_tracker("tensorboard", unwrap=True)
+    acc.end_training()
+    if acc.is_main_process:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(writer.log_dir)
+        events.Reload()
+        assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5)]
