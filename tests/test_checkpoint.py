@@ -323,6 +323,9 @@ def test_unserialisable_custom_state_names_the_key(mpi_tmp_path, comm):
         acc.save_state(mpi_tmp_path / "bad")
     assert info.value.failed_ranks == [comm.size - 1]
     assert "custom_1/callback" in str(info.value) and "function" in str(info.value)
+    with pytest.raises(CollectiveError) as info:  # the same key when the snapshot refuses it
+        acc.save_state(mpi_tmp_path / "bad", async_save=True)
+    assert "at key custom_1/callback" in str(info.value), str(info.value)
     with pytest.raises(TypeError, match="state_dict"):
         acc.register_for_checkpointing(object())
 

@@ -124,15 +124,19 @@ def _resolve_output(accelerator: Any, output_dir: str | None) -> str:
     return os.fspath(output_dir)
 
 
-def _snapshot(tree: Any) -> Any:
-    """A deep copy with every tensor cloned to host memory (for a save in the background)."""
-    document, tensors = flatten(tree, "snapshot")
+def _snapshot(trees: dict[str, Any]) -> dict[str, Any]:
+    """{component: tree} deep-copied, every tensor cloned to host memory (for a save in the
+    background). Errors name the component and key, as a synchronous save's do."""
+    out = {}
+    for component, tree in trees.items():
+        document, tensors = flatten(tree, component)
 
-    def load(name: str, kind: str) -> Any:
-        value = tensors[name]
-        return value.copy() if kind == "numpy" else value.detach().to("cpu", copy=True)
+        def load(name: str, kind: str, tensors: dict[str, Any] = tensors) -> Any:
+            value = tensors[name]
+            return value.copy() if kind == "numpy" else value.detach().to("cpu", copy=True)
 
-    return unflatten(document, load)
+        out[component] = unflatten(document, load)
+    return out
 
 
 class AsyncSaver:
