@@ -10,6 +10,7 @@ from .accelerator import Accelerator
 from .environments import ProcessInfo
 from .errors import (
     CollectiveError,
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     ConfigurationError,
     LaunchError,
@@ -28,6 +29,7 @@ __all__ = [
     "Accelerator",
     "AcceleratorState",
     "CollectiveError",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigurationError",
     "DataLoaderConfiguration",

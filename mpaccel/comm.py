@@ -14,6 +14,7 @@ branch on "am I distributed".
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import pickle
 import threading
@@ -26,6 +27,7 @@ import numpy as np
 
 from .errors import (
     CollectiveError,
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     MpaccelError,
     PeerFailedError,
@@ -47,6 +49,9 @@ _SPIN_SECONDS = 1e-3  # where the node has a core per rank; 0 where it has fewer
 _YIELD_SECONDS = 0.05
 _YIELD_SECONDS_OVERSUBSCRIBED = 2e-4  # see MPIComm.oversubscribed()
 _MAX_SLEEP = 1e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
+# After this long in one collective, a rank asks one other rank (rank 0; rank 0 asks rank 1)
+# where it is: see MPIComm._probe_divergence.
+_PROBE_AFTER = 5.0
 
 _OPS = {"max", "min", "sum"}
 
@@ -247,7 +252,11 @@ class MPIComm:
         self.spin_seconds = _SPIN_SECONDS
         self.yield_seconds = _YIELD_SECONDS
         self._seq = 0
-        self._current: tuple[str, int] | None = None
+        # (label, sequence number, MPI operation) of the collective this rank waits in
+        self._current: tuple[str, int, str] | None = None
+        # the user-facing communicator looks for ranks in different collectives; the pytest
+        # plugin's and the async saver's (interruptible=False) do not
+        self.probe_after: float | None = _PROBE_AFTER if interruptible else None
         self._broken: str | None = None
         self._ops = {"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}
         self._send = np.zeros(1, dtype=np.int64)
@@ -299,7 +308,7 @@ class MPIComm:
 
     # -- waiting -------------------------------------------------------------------------------
 
-    def _begin(self, what: str) -> int:
+    def _begin(self, what: str, kind: str) -> int:
         if self._broken is not None:
             raise MpaccelError(
                 f"cannot run {what}: the communicator is unusable since {self._broken}",
@@ -307,7 +316,7 @@ class MPIComm:
                 "(the usual outcome) instead of catching the timeout and carrying on.",
             )
         self._seq += 1
-        self._current = (what, self._seq)
+        self._current = (what, self._seq, kind)
         return self._seq
 
     def _wait(self, request: Any, what: str, timeout: float | None) -> None:
@@ -322,12 +331,21 @@ class MPIComm:
                 return
         deadline = start + limit
         yield_until = start + self.yield_seconds
+        probe_at = math.inf
+        if self.probe_after is not None and self.size > 1:
+            probe_at = start + self.probe_after
+        asked = False
         pause = 2e-5
         while not test():
             self._answer_queries()
             if _alerts is not None and self.interruptible:
                 self._check_alerts(what)
             now = time.monotonic()
+            if now >= probe_at:
+                if not asked:
+                    self._ask_where()
+                    asked = True
+                self._check_divergence(what)
             if now >= deadline:
                 self._timed_out(what, limit)
             if now < yield_until:
@@ -367,16 +385,52 @@ class MPIComm:
         return self._broken is not None
 
     def _answer_queries(self) -> dict[int, Any]:
-        """While waiting, tell any rank that timed out which collective this rank is in.
-        Returns, per querying rank, the collective it asked from."""
+        """While waiting, tell any rank that asked (it timed out, or has waited long) which
+        collective this rank is in; the reply repeats the question, so that the asker can tell
+        an answer about the collective it still waits in from a late one. Returns, per asking
+        rank, the collective it asked from."""
         MPI = self._MPI
         status = MPI.Status()
         asked: dict[int, Any] = {}
         while self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_QUERY, status):
             source = status.Get_source()
             asked[source] = self._diag.recv(source=source, tag=_TAG_QUERY)
-            self._diag.send((self.rank, self._current), dest=source, tag=_TAG_REPLY)
+            reply = (self.rank, self._current, asked[source])
+            self._diag.send(reply, dest=source, tag=_TAG_REPLY)
         return asked
+
+    def _ask_where(self) -> None:
+        """Ask one rank (rank 0; rank 0 asks rank 1) where it is: one small message per waiting
+        rank, however large the job. Its answer arrives when it next waits in a collective."""
+        target = 1 if self.rank == 0 else 0
+        self._diag.isend(self._current, dest=target, tag=_TAG_QUERY)
+
+    def _check_divergence(self, what: str) -> None:
+        """Raise if the answer to _ask_where shows the asked rank waiting in a collective of
+        the same number as this one but another MPI operation (a barrier against an
+        all-reduce, say): they can never match, so both would wait for the whole timeout
+        (30 minutes by default). Names of the same operation are not compared (they may carry
+        rank-dependent detail), nor are numbers that differ (a broadcast's root may finish
+        early), so a slow rank is never taken for a diverged one."""
+        MPI = self._MPI
+        status = MPI.Status()
+        while self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_REPLY, status):
+            rank, where, asked = self._diag.recv(source=status.Get_source(), tag=_TAG_REPLY)
+            here = self._current
+            if asked != here or where is None or here is None:
+                continue  # a late answer, or the rank is not in a collective
+            if where[1] == here[1] and where[2] != here[2]:
+                self._broken = f"{what} cannot complete: the ranks took different code paths"
+                host = self.hosts[rank] if rank < len(self.hosts) else "?"
+                raise CollectiveMismatchError(
+                    f"{what} (collective #{here[1]}, an MPI {here[2]}) cannot complete: rank "
+                    f"{rank} ({host}) waits in {where[0]} (its collective #{where[1]}, an MPI "
+                    f"{where[2]}): the ranks took different code paths",
+                    "every rank must make the same collective calls in the same order. The "
+                    "usual cause is a collective (save_model, save_state, wait_for_everyone, "
+                    "gather, check_trigger...) inside `if accelerator.is_main_process:` or "
+                    "another branch taken on some ranks only: call it on every rank.",
+                )
 
     def _timed_out(self, what: str, limit: float) -> None:
         MPI = self._MPI
@@ -392,7 +446,7 @@ class MPIComm:
             for rank, where in self._answer_queries().items():
                 replies.setdefault(rank, where)
             if self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_REPLY, status):
-                rank, where = self._diag.recv(source=status.Get_source(), tag=_TAG_REPLY)
+                rank, where, _ = self._diag.recv(source=status.Get_source(), tag=_TAG_REPLY)
                 replies[rank] = where
             else:
                 time.sleep(1e-3)
@@ -419,7 +473,7 @@ class MPIComm:
     # -- collectives ---------------------------------------------------------------------------
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
-        self._begin(what)
+        self._begin(what, "barrier")
         self._wait(self._start("barrier", self._comm.Ibarrier), what, timeout)
 
     def allreduce(
@@ -427,7 +481,7 @@ class MPIComm:
     ) -> int:
         if op not in self._ops:
             raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(self._ops)}")
-        self._begin(what)
+        self._begin(what, "allreduce")
         self._send[0] = value
         request = self._start(
             op, lambda: self._comm.Iallreduce(self._send, self._recv, self._ops[op])
@@ -436,7 +490,7 @@ class MPIComm:
         return int(self._recv[0])
 
     def allgather(self, obj: Any, what: str = "allgather", timeout: float | None = None) -> list:
-        self._begin(what)
+        self._begin(what, "allgather")
         payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         sizes = np.zeros(self.size, dtype=np.int64)
         mine = np.array([payload.size], dtype=np.int64)
@@ -451,7 +505,7 @@ class MPIComm:
     def bcast(self, obj: Any, root: int = 0, what: str = "bcast", timeout=None) -> Any:
         if not 0 <= root < self.size:
             raise ValueError(f"root {root} out of range for a world of size {self.size}")
-        self._begin(what)
+        self._begin(what, "bcast")
         size = np.zeros(1, dtype=np.int64)
         payload = None
         if self.rank == root:

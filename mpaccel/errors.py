@@ -86,6 +86,11 @@ class PeerFailedError(CollectiveError):
     pytest plugin: a failed test); the collective is abandoned instead of waiting forever."""
 
 
+class CollectiveMismatchError(MpaccelError):
+    """Ranks wait in different collectives that can never match (they took different code
+    paths); raised after a few seconds instead of waiting for the timeout."""
+
+
 class CollectiveTimeoutError(MpaccelError, TimeoutError):
     """A collective did not complete in time; names the ranks that never arrived."""
 

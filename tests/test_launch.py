@@ -130,6 +130,35 @@ def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path):
     assert "rank two" not in run.stderr[0]
 
 
+def test_ranks_in_collectives_that_cannot_match_fail_in_seconds(tmp_path):
+    # The Accelerate idiom `if is_main_process: save_model(...)`: save_model is collective here,
+    # so rank 0 waits in it while the others wait in the next wait_for_everyone. First a slow
+    # rank (8 s late, longer than the probe's 5 s) must not be taken for a diverged one.
+    script = _script(
+        tmp_path,
+        """
+        import sys, time, torch
+        from mpaccel import Accelerator
+        acc = Accelerator()
+        model = acc.prepare(torch.nn.Linear(4, 4))
+        if acc.is_main_process:
+            time.sleep(8)
+        acc.wait_for_everyone()
+        print("slow rank waited for", flush=True)
+        if acc.is_main_process:
+            acc.save_model(model, sys.argv[0] + ".model")
+        acc.wait_for_everyone()   # the default timeout is 30 minutes
+    """,
+    )
+    run = run_mpi([script], n=2, timeout=120)
+    assert not run.timed_out, run.describe()
+    assert run.returncode != 0 and run.elapsed < 60, run.describe()
+    assert all("slow rank waited for" in out for out in run.stdout), run.describe()
+    err = "".join(run.stderr)
+    assert "CollectiveMismatchError" in err and "took different code paths" in err, err
+    assert "waits in wait_for_everyone" in err or "waits in saving a model" in err, err
+
+
 def test_an_error_an_extension_reports_and_ignores_does_not_end_the_job(tmp_path):
     # Cython's __dealloc__ (h5py closing a file, for one) reports errors it must ignore through
     # PyErr_PrintEx, which calls sys.excepthook while the program goes on: no abort for those.

@@ -95,7 +95,8 @@ def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
         return state
     names = [name for name, _ in module.named_buffers() if name in state]
     layout = [(name, str(state[name].dtype), tuple(state[name].shape)) for name in names]
-    if len(set(map(repr, accelerator._partial.comm.allgather(layout, what="save")))) > 1:
+    comm = accelerator._partial.comm
+    if len(set(map(repr, comm.allgather(layout, what="saving a model (its buffers)")))) > 1:
         return state  # ranks differ: the checkpoint's layout check names how, on every rank
     # As raw bytes, in one message (gloo and NCCL lack bool, float8 and other dtypes), on the
     # collective's device (NCCL: the GPU).
