@@ -17,6 +17,7 @@ import atexit
 import math
 import os
 import pickle
+import sys
 import threading
 import time
 import traceback
@@ -264,6 +265,25 @@ class MPIComm:
         self._persistent: dict[str, Any] = {}
         self._set_up_persistent()
         self.progress: ProgressThread | None = None
+        if self.probe_after is not None and self.size > 1:
+            # after mpi4py's own exit hook was registered (it finalizes MPI): runs before it
+            atexit.register(self._end_of_program)
+
+    def _end_of_program(self) -> None:
+        """At exit, before MPI_Finalize: a barrier named "the end of the program", waited for
+        without a time limit (MPI_Finalize waits for every rank too). While a rank waits here
+        it answers where it is, so a rank stuck in a collective this one will never join
+        (`if is_main_process: save_model(...)` at the end of a script) learns it within
+        seconds (_check_divergence) instead of after the timeout."""
+        if self._broken is not None or self._MPI.Is_finalized():
+            return
+        try:
+            self.barrier("the end of the program", timeout=math.inf)
+        except CollectiveMismatchError as exc:
+            print(f"[mpaccel rank {self.rank}] {exc}", file=sys.stderr, flush=True)
+            self.abort(1)
+        except PeerFailedError:
+            pass  # the pytest plugin reported it; the job is ending anyway
 
     def keep_progressing(self, interval: float) -> None:
         """Not collective. Start a ProgressThread (MPACCEL_MPI_PROGRESS; see there)."""
