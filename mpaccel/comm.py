@@ -51,7 +51,7 @@ _YIELD_SECONDS = 0.05
 _YIELD_SECONDS_OVERSUBSCRIBED = 2e-4  # see MPIComm.oversubscribed()
 _MAX_SLEEP = 1e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
 # After this long in one collective, a rank asks one other rank (rank 0; rank 0 asks rank 1)
-# where it is: see MPIComm._probe_divergence.
+# where it is: see MPIComm._check_divergence.
 _PROBE_AFTER = 5.0
 
 _OPS = {"max", "min", "sum"}
@@ -259,6 +259,7 @@ class MPIComm:
         # plugin's and the async saver's (interruptible=False) do not
         self.probe_after: float | None = _PROBE_AFTER if interruptible else None
         self._broken: str | None = None
+        self._asks: list[Any] = []  # pending sends of _ask_where
         self._ops = {"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}
         self._send = np.zeros(1, dtype=np.int64)
         self._recv = np.zeros(1, dtype=np.int64)
@@ -399,6 +400,8 @@ class MPIComm:
         self._set_up_persistent()
         self._broken = None
         self._current = None
+        self._seq = 0  # numbers count from here again on every rank (see _check_divergence)
+        self._asks = []
 
     @property
     def broken(self) -> bool:
@@ -423,7 +426,8 @@ class MPIComm:
         """Ask one rank (rank 0; rank 0 asks rank 1) where it is: one small message per waiting
         rank, however large the job. Its answer arrives when it next waits in a collective."""
         target = 1 if self.rank == 0 else 0
-        self._diag.isend(self._current, dest=target, tag=_TAG_QUERY)
+        self._asks = [request for request in self._asks if not request.Test()]
+        self._asks.append(self._diag.isend(self._current, dest=target, tag=_TAG_QUERY))
 
     def _check_divergence(self, what: str) -> None:
         """Raise if the answer to _ask_where shows the asked rank waiting in a collective of
