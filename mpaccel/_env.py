@@ -21,6 +21,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "hydra_local_rank": ("MPI_LOCALRANKID",),
     "hydra_local_size": ("MPI_LOCALNRANKS",),
     "pmix_rank": ("PMIX_RANK",),
+    "pmix_namespace": ("PMIX_NAMESPACE",),
     "mvapich_world_size": ("MV2_COMM_WORLD_SIZE",),
     "mpi4py_libmpi": ("MPI4PY_LIBMPI",),
     "mpi4py_mpiabi": ("MPI4PY_MPIABI",),
@@ -36,6 +37,9 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "slurm_step_num_nodes": ("SLURM_STEP_NUM_NODES",),
     "slurm_job_num_nodes": ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
     "slurm_ntasks_per_node": ("SLURM_NTASKS_PER_NODE",),
+    # The job's CPUs per node: the one size that an MPI launcher's srun-started daemons leave
+    # to their ranks (their SLURM_NTASKS and *_TASKS_PER_NODE describe the daemons).
+    "slurm_job_cpus_per_node": ("SLURM_JOB_CPUS_PER_NODE",),
     "slurm_tasks_per_node": ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
     "slurm_procid": ("SLURM_PROCID",),
     "slurm_localid": ("SLURM_LOCALID",),

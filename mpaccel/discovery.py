@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from .environments import (
     SrunLauncher,
     detect_launcher,
     layout_from_node_keys,
+    leftover_notes,
 )
+from .environments.mpi import check_pmix_before_init
 from .environments.slurm import allocation_warnings, check_srun_layout
 from .errors import LaunchError
 
@@ -41,9 +44,28 @@ class Discovery:
 
 
 def load_mpi(launcher: Launcher) -> Any | None:
-    """Import mpi4py.MPI (this calls MPI_Init); None when there is no MPI and none is needed."""
+    """Import mpi4py.MPI *without* MPI_Init (init_mpi does that); None when there is no MPI and
+    none is needed.
+
+    The library is then known before MPI_Init: with the wrong launcher, MPI_Init itself can abort
+    the process before any check could explain why (check_pmix_before_init). mpi4py.rc decides
+    at import whether mpi4py initialises MPI, and whether it finalises it at exit; a module
+    imported earlier (MPI already initialised by then) is returned as it is.
+    """
     try:
-        from mpi4py import MPI
+        import mpi4py
+
+        if "mpi4py.MPI" in sys.modules:
+            from mpi4py import MPI
+        else:
+            rc = mpi4py.rc
+            saved = rc.initialize, rc.finalize
+            # finalize=None means "if initialised at import": keep mpi4py's MPI_Finalize at exit
+            rc.initialize, rc.finalize = False, True if rc.finalize is None else rc.finalize
+            try:
+                from mpi4py import MPI
+            finally:
+                rc.initialize, rc.finalize = saved
     except (ImportError, RuntimeError) as exc:  # no libmpi (mpi4py 4 raises RuntimeError)
         expected = launcher.expected_world_size()
         if isinstance(launcher, SingleProcess) or not expected or expected == 1:
@@ -58,19 +80,37 @@ def load_mpi(launcher: Launcher) -> Any | None:
     return MPI
 
 
+def init_mpi(MPI: Any) -> None:
+    """MPI_Init_thread at the thread level mpi4py would have asked for at import (mpi4py.rc)."""
+    if MPI.Is_initialized():
+        return
+    import mpi4py
+
+    if not mpi4py.rc.threads:
+        MPI.Init()
+        return
+    level = str(mpi4py.rc.thread_level).upper()
+    MPI.Init_thread(getattr(MPI, f"THREAD_{level}", MPI.THREAD_MULTIPLE))
+
+
 def check_world_size(launcher: Launcher, size: int, mpi_library: str) -> None:
+    """The launcher's own count against the MPI world: a world of 1 in each process (the
+    launcher and the library do not talk to each other) or another size (the launcher's
+    variables describe another launch)."""
     expected = launcher.expected_world_size()
     if expected is None or expected == size:
         return
+    said = f"{launcher.size_variable()}={expected}"
     if size == 1:
         raise LaunchError(
-            f"{launcher.name} started {expected} processes, but MPI sees a world of 1 in each: "
-            f"{expected} separate copies of the job are running (silent singletons)",
+            f"{launcher.name} started {expected} processes ({said}), but MPI sees a world of 1 "
+            f"in each: {expected} separate copies of the job are running (silent singletons)",
             launcher.singleton_hint(mpi_library),
         )
     raise LaunchError(
-        f"{launcher.name} says the job has {expected} processes, but MPI sees {size}",
-        launcher.singleton_hint(mpi_library),
+        f"{launcher.name} says the job has {expected} processes ({said}), but MPI sees a "
+        f"world of {size}",
+        launcher.mismatch_hint(mpi_library),
     )
 
 
@@ -92,26 +132,40 @@ def node_oversubscribed(keys: Sequence[Any], cores: Sequence[frozenset[int]], ra
 
 
 def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) -> Discovery:
-    """Collective over COMM_WORLD: every process of the job must call this, once."""
+    """Collective over COMM_WORLD: every process of the job must call this, once.
+
+    Initialises MPI (unless done before) after the checks that need no MPI world.
+    """
     env = _env.snapshot() if env is None else env
-    launcher = detect_launcher(env)
     slurm = SlurmFacts.from_env(env)
     host = socket.gethostname()
+    launcher = detect_launcher(env)
     MPI = load_mpi(launcher)
     if MPI is None:
         comm: Comm = NullComm(host, default_timeout)
         return Discovery(
             ProcessInfo.single(host), launcher, comm, "no MPI library", None, slurm, (host,)
         )
-    library = MPI.Get_library_version().strip()
+    library = MPI.Get_library_version().strip()  # allowed before MPI_Init
     version = MPI.Get_version()
-    world = MPI.COMM_WORLD
+    launcher = detect_launcher(env, library)
+    notes = leftover_notes(env, launcher, library)
     skip = _env.get_bool("skip_launch_checks", False, env)
+    if not skip and not MPI.Is_initialized():
+        check_pmix_before_init(launcher, env, library)
+    init_mpi(MPI)
+    world = MPI.COMM_WORLD
+    problem: LaunchError | None = None
     if not skip:
-        check_world_size(launcher, world.Get_size(), library)
+        try:
+            check_world_size(launcher, world.Get_size(), library)
+        except LaunchError as exc:
+            problem = exc
     if world.Get_size() == 1:
+        if problem is not None:
+            raise problem
         comm = NullComm(host, default_timeout)
-        notes = allocation_warnings(slurm, launcher, 1)
+        notes += allocation_warnings(slurm, launcher, 1, 1 if slurm.nodename else None)
         return Discovery(
             ProcessInfo.single(host), launcher, comm, library, version, slurm, (host,), tuple(notes)
         )
@@ -125,7 +179,16 @@ def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) 
         local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
         key = ("shm", local.allreduce(world.Get_rank(), op=MPI.MIN))
         local.Free()
-    gathered = mpi_comm.allgather((key, host, slurm, _cores()), what="process discovery")
+    # A rank's own launcher variables may disagree with the others' (a hand-made value): the
+    # verdict is taken from everyone's, so every rank raises the same error and none waits.
+    gathered = mpi_comm.allgather(
+        (key, host, slurm, _cores(), problem), what="process discovery"
+    )
+    problems = [g[4] for g in gathered if g[4] is not None]
+    if problems:
+        if mpi_comm.progress is not None:
+            mpi_comm.progress.stop()
+        raise problems[0]
     keys = [g[0] for g in gathered]
     hosts = tuple(g[1] for g in gathered)
     mpi_comm.hosts = hosts
@@ -133,10 +196,13 @@ def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) 
     if node_oversubscribed(keys, [g[3] for g in gathered], rank):
         mpi_comm.oversubscribed()
     info = layout_from_node_keys(keys, rank, host)
+    facts = [g[2] for g in gathered]
     if not skip and isinstance(launcher, SrunLauncher):
         infos = [layout_from_node_keys(keys, r, hosts[r]) for r in range(len(keys))]
-        check_srun_layout([g[2] for g in gathered], infos)
-    notes = allocation_warnings(slurm, launcher, mpi_comm.size)
+        check_srun_layout(facts, infos)
+    names = {f.nodename for f in facts}
+    nodes = None if None in names else len(names)
+    notes += allocation_warnings(slurm, launcher, mpi_comm.size, nodes)
     return Discovery(info, launcher, mpi_comm, library, version, slurm, hosts, tuple(notes))
 
 

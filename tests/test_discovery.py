@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
+import subprocess
+import sys
 import time
 import types
 from datetime import timedelta
@@ -16,7 +18,7 @@ import torch.distributed as dist
 
 from mpaccel import PartialState, _env, distributed
 from mpaccel.comm import NullComm
-from mpaccel.discovery import check_world_size
+from mpaccel.discovery import check_world_size, discover
 from mpaccel.environments import (
     HydraLauncher,
     OpenMPILauncher,
@@ -29,8 +31,10 @@ from mpaccel.environments import (
     detect_launcher,
     expand_nodelist,
     layout_from_node_keys,
+    leftover_notes,
     mpi_family,
 )
+from mpaccel.environments.mpi import check_pmix_before_init
 from mpaccel.environments.slurm import (
     allocation_warnings,
     check_srun_layout,
@@ -41,6 +45,9 @@ from mpaccel.testing import reset_state
 
 MPICH = "MPICH Version:      5.0.2\nMPICH Release date: ..."
 OPENMPI = "Open MPI v5.0.11, package: Open MPI ..."
+# what MPICH's hydra sets in each rank it starts by itself, for a world of 2
+HYDRA_RANK = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "5", "MPI_LOCALRANKID": "0",
+              "MPI_LOCALNRANKS": "2"}
 
 
 def layouts(keys):
@@ -160,7 +167,125 @@ def test_silent_singletons_openmpi_launcher_mpich_library():
 def test_world_size_disagreement_that_is_not_singletons():
     env = _env.snapshot({"OMPI_COMM_WORLD_SIZE": "4"})
     error = _launch_error(detect_launcher(env), 2, OPENMPI)
-    assert "sees 2" in error.message
+    assert error.message == (
+        "Open MPI mpirun says the job has 4 processes (OMPI_COMM_WORLD_SIZE=4), but MPI sees a "
+        "world of 2"
+    )
+    # not the hint for a world of 1: these processes did find each other
+    assert "OMPI_COMM_WORLD_SIZE does not describe this MPI world" in error.hint
+    assert "mpirun started several processes but each one" not in error.hint
+
+
+def test_srun_step_disagreeing_with_a_world_larger_than_one():
+    # e.g. ranks that found each other through PMI, in an srun step of another size
+    env = _env.snapshot(
+        {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4",
+         "SLURM_PROCID": "1", "PMI_RANK": "1", "PMI_SIZE": "2"}
+    )
+    error = _launch_error(detect_launcher(env), 2, MPICH)
+    assert error.message == (
+        "Slurm srun says the job has 4 processes (SLURM_STEP_NUM_TASKS=4), but MPI sees a "
+        "world of 2"
+    )
+    assert error.hint.startswith("launch exactly one MPI rank per srun task")
+    assert "world of 1" not in error.hint and "--mpi=pmi2" not in error.hint
+    # a world of 1 keeps the hint about srun's MPI plugin
+    error = _launch_error(detect_launcher(env), 1, MPICH)
+    assert "(SLURM_STEP_NUM_TASKS=4)" in error.message
+    assert "each task is its own world of 1" in error.hint and "srun --mpi=pmi2" in error.hint
+
+
+def test_a_stale_open_mpi_variable_under_hydra_is_named_not_trusted():
+    env = _env.snapshot({**HYDRA_RANK, "OMPI_COMM_WORLD_SIZE": "4"})
+    assert type(detect_launcher(env)) is OpenMPILauncher  # before the library is known
+    launcher = detect_launcher(env, MPICH)
+    assert type(launcher) is HydraLauncher
+    check_world_size(launcher, 2, MPICH)  # hydra's count is the world's
+    [note] = leftover_notes(env, launcher, MPICH)
+    assert note.startswith(
+        "OMPI_COMM_WORLD_SIZE='4' is set as if Open MPI mpirun had started this process, but "
+        "MPICH hydra mpiexec did (PMI_SIZE=2; mpi4py loaded 'MPICH Version: 5.0.2')"
+    )
+    assert "HINT: unset OMPI_COMM_WORLD_SIZE" in note
+
+
+def test_stale_hydra_variables_under_open_mpi_are_named_not_trusted():
+    env = _env.snapshot({**HYDRA_RANK, "OMPI_COMM_WORLD_SIZE": "2"})
+    launcher = detect_launcher(env, OPENMPI)
+    assert type(launcher) is OpenMPILauncher
+    [note] = leftover_notes(env, launcher, OPENMPI)
+    assert note.startswith("MPI_LOCALRANKID='0' is set as if MPICH hydra mpiexec had started")
+
+
+def test_a_launcher_of_another_mpi_alone_is_not_called_stale():
+    # Open MPI's mpirun really started it; mpi4py loaded MPICH: a launch error, not a warning
+    env = _env.snapshot({"OMPI_COMM_WORLD_SIZE": "2"})
+    launcher = detect_launcher(env, MPICH)
+    assert type(launcher) is OpenMPILauncher
+    assert leftover_notes(env, launcher, MPICH) == []
+    hydra = _env.snapshot(HYDRA_RANK)
+    assert leftover_notes(hydra, detect_launcher(hydra, MPICH), MPICH) == []
+
+
+# what Open MPI 5's mpirun sets (measured), besides OMPI_COMM_WORLD_LOCAL_*/NODE_RANK
+OPEN_MPI_RANK = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
+                 "PMIX_RANK": "0", "PMIX_NAMESPACE": "prterun-vm-18091@1", "PRTE_LAUNCHED": "1"}
+
+
+def test_open_mpi_launch_of_mpich_without_pmix_is_refused_before_init():
+    env = _env.snapshot(OPEN_MPI_RANK)
+    with pytest.raises(LaunchError) as info:
+        check_pmix_before_init(detect_launcher(env, MPICH), env, MPICH)
+    assert info.value.message.startswith(
+        "a PMIx launcher started this process (Open MPI mpirun; PMIX_RANK='0', "
+        "PMIX_NAMESPACE='prterun-vm-18091@1'), but mpi4py loaded 'MPICH Version: 5.0.2'"
+    )
+    assert "MPI4PY_LIBMPI=libmpi.so.40" in info.value.hint
+    assert "Open MPI's mpirun" in info.value.hint
+    # the libraries whose MPI_Init copes with PMIx, and processes no PMIx launcher started
+    check_pmix_before_init(detect_launcher(env), env, OPENMPI)
+    check_pmix_before_init(detect_launcher(env), env, MPICH + "\nMPICH configure: --with-pmix")
+    check_pmix_before_init(detect_launcher(_env.snapshot({})), _env.snapshot({}), MPICH)
+
+
+def _without_launcher_variables() -> dict[str, str]:
+    prefixes = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDI_", "HYDRA_", "OMPI_", "PRTE_", "SLURM",
+                "MPIR_", "MPACCEL_", "MV2_")
+    return {k: v for k, v in _env.child_environment().items() if not k.startswith(prefixes)}
+
+
+def test_open_mpi_launch_of_mpich_raises_the_hint_instead_of_aborting_in_mpi_init():
+    from mpi4py import MPI
+
+    library = MPI.Get_library_version()
+    if mpi_family(library) != "mpich" or "pmix" in library.lower():
+        pytest.skip("needs an MPICH without PMIx, whose MPI_Init aborts under a PMIx launcher")
+    env = {**_without_launcher_variables(), **OPEN_MPI_RANK}
+    code = "from mpaccel.discovery import discover; discover()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1, run.stderr  # an uncaught Python exception, not MPI_Abort
+    assert "mpaccel.errors.LaunchError: a PMIx launcher started this process" in run.stderr
+    assert "HINT: the job was started by Open MPI's mpirun" in run.stderr
+    assert "Fatal error in internal_Init_thread" not in run.stderr
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi_timeout(60)  # a rank left waiting for the one that raised would hang
+def test_a_launcher_count_one_rank_disagrees_with_fails_every_rank_alike(comm):
+    # the last rank's PMI_SIZE is off (a hand-made value): its verdict is everyone's, so every
+    # rank raises the same error and none waits in a collective for the one that raised
+    size = comm.size
+    wrong = size + 1 if comm.rank == size - 1 else size
+    env = {**HYDRA_RANK, "PMI_RANK": str(comm.rank), "MPI_LOCALRANKID": str(comm.rank),
+           "PMI_SIZE": str(wrong)}
+    with pytest.raises(LaunchError) as info:
+        discover(default_timeout=30, env=_env.snapshot(env))
+    assert info.value.message == (
+        f"MPICH hydra mpiexec says the job has {size + 1} processes (PMI_SIZE={size + 1}), but "
+        f"MPI sees a world of {size}"
+    )
+    assert comm.allgather(str(info.value)) == [str(info.value)] * size
 
 
 def test_consistent_world_passes():
@@ -188,6 +313,17 @@ def test_expand_tasks_per_node():
     assert expand_tasks_per_node("4") == [4]
     with pytest.raises(LaunchError, match="SLURM_TASKS_PER_NODE"):
         expand_tasks_per_node("two")
+
+
+def test_unparseable_tasks_per_node_names_the_variable_read():
+    # srun sets both; the step's is the one read, and the one to name
+    env = {"SLURM_JOB_ID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x", "SLURM_TASKS_PER_NODE": "2"}
+    with pytest.raises(LaunchError) as info:
+        SlurmFacts.from_env(_env.snapshot(env))
+    assert info.value.message == "cannot parse SLURM_STEP_TASKS_PER_NODE='2(x' (part '2(x')"
+    assert info.value.hint.startswith("SLURM_STEP_TASKS_PER_NODE is set by Slurm")
+    with pytest.raises(LaunchError, match=r"^cannot parse SLURM_JOB_CPUS_PER_NODE='3,x'"):
+        SlurmFacts.from_env(_env.snapshot({"SLURM_JOB_ID": "1", "SLURM_JOB_CPUS_PER_NODE": "3,x"}))
 
 
 def srun_facts(n_nodes, per_node, **overrides):
@@ -228,12 +364,6 @@ def test_srun_same_procid_everywhere():
     assert "$SLURM_PROCID" in info.value.hint and "single quotes" in info.value.hint
 
 
-def test_srun_step_tasks_disagree_with_world():
-    facts, infos = srun_facts(1, 4, SLURM_STEP_NUM_TASKS="8")
-    with pytest.raises(LaunchError, match="SLURM_STEP_NUM_TASKS=8"):
-        check_srun_layout(facts, infos)
-
-
 def test_ntasks_per_node_mismatch():
     # sbatch -N 2 --ntasks-per-node=4, then `srun -n 4`: 2 per node, half the node idle
     facts, infos = srun_facts(2, 2, SLURM_NTASKS_PER_NODE="4")
@@ -245,7 +375,10 @@ def test_ntasks_per_node_mismatch():
 
 def test_tasks_per_node_disagrees_with_mpi():
     facts, infos = srun_facts(2, 2, SLURM_TASKS_PER_NODE="3,1")
-    with pytest.raises(LaunchError, match="placed"):
+    with pytest.raises(LaunchError, match=r"placed \[3, 1\] task\(s\) per node \(SLURM_TASKS_"):
+        check_srun_layout(facts, infos)
+    facts, infos = srun_facts(2, 2, SLURM_STEP_TASKS_PER_NODE="3,1")
+    with pytest.raises(LaunchError, match=r"per node \(SLURM_STEP_TASKS_PER_NODE\) but MPI"):
         check_srun_layout(facts, infos)
 
 
@@ -259,15 +392,138 @@ def test_batch_shell_warns_when_allocation_is_wider():
     launcher = detect_launcher(env)
     notes = allocation_warnings(SlurmFacts.from_env(env), launcher, 1)
     assert len(notes) == 1 and "python ran directly in the batch script" in notes[0]
+    assert notes[0].startswith("this Slurm job has 4 tasks (SLURM_NTASKS=4) but only 1 ")
     assert allocation_warnings(SlurmFacts.from_env(_env.snapshot({})), launcher, 1) == []
 
 
-def test_mpiexec_using_part_of_allocation_warns():
-    env = _env.snapshot(
-        {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "8", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0"}
-    )
-    notes = allocation_warnings(SlurmFacts.from_env(env), detect_launcher(env), 4)
-    assert "only 4 process(es)" in notes[0]
+def hydra_rank(rank, size, job, nodename="n1", proxies=1, **extra):
+    """What a rank that MPICH's hydra started inside a Slurm allocation sees (measured with
+    salloc, docs/slurm-environment-facts.md): hydra starts one proxy per node it uses as an srun
+    step, and the rank inherits that step, so SLURM_NTASKS & co. count the proxies."""
+    per_node = "1" if proxies == 1 else f"1(x{proxies})"
+    return {
+        "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": str(proxies), "SLURM_NPROCS": str(proxies),
+        "SLURM_STEP_NUM_TASKS": str(proxies), "SLURM_NNODES": str(proxies),
+        "SLURM_STEP_NUM_NODES": str(proxies), "SLURM_TASKS_PER_NODE": per_node,
+        "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURMD_NODENAME": nodename,
+        "PMI_RANK": str(rank), "PMI_SIZE": str(size), "MPI_LOCALRANKID": "0",
+        **job, **extra,
+    }
+
+
+def open_mpi_rank(rank, size, job, proxies=1):
+    """The same for Open MPI 5's mpirun (measured with salloc): its daemons' step is started with
+    `srun --ntasks-per-node=1`, so SLURM_NTASKS_PER_NODE is 1 whatever the job asked for."""
+    env = hydra_rank(rank, size, job, proxies=proxies, SLURM_NTASKS_PER_NODE="1")
+    for name in ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"):
+        del env[name]
+    return {**env, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size),
+            "PMIX_RANK": str(rank)}
+
+
+def _notes(env, world, nodes):
+    env = _env.snapshot(env)
+    return allocation_warnings(SlurmFacts.from_env(env), detect_launcher(env), world, nodes)
+
+
+@pytest.mark.parametrize(
+    ("command", "env", "world", "nodes", "expected"),
+    [
+        (
+            "salloc -N2 --ntasks-per-node=2 mpiexec -n 2",
+            hydra_rank(0, 2, {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "2(x2)",
+                              "SLURM_NTASKS_PER_NODE": "2"}),
+            2, 1,
+            "this Slurm job asked for up to 4 tasks (SLURM_NTASKS_PER_NODE=2 on "
+            "SLURM_JOB_NUM_NODES=2) but only 2 process(es) joined the MPI world: MPICH hydra "
+            "mpiexec started 2 rank(s).",
+        ),
+        (
+            "salloc -N2 -n4 mpiexec -n 2",  # hydra fills n1's 3 CPUs first: n2 unused
+            hydra_rank(0, 2, {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "3,1"}),
+            2, 1,
+            "this Slurm job has 2 nodes (SLURM_JOB_NUM_NODES) but its 2 MPI process(es) run on "
+            "1 of them",
+        ),
+        (
+            "salloc -N1 -n2 mpiexec -n 4",
+            hydra_rank(0, 4, {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_CPUS_PER_NODE": "2"}),
+            4, 1,
+            "MPICH hydra mpiexec started 4 rank(s), but this Slurm job holds 2 CPU(s) "
+            "(SLURM_JOB_CPUS_PER_NODE: [2] per node), fewer than 4 rank(s): the ranks share CPUs.",
+        ),
+        (
+            "salloc -N1 -n2 -c2 mpiexec -n 3",
+            hydra_rank(0, 3, {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_CPUS_PER_NODE": "4",
+                              "SLURM_CPUS_PER_TASK": "2"}),
+            3, 1,
+            "holds 4 CPU(s) (SLURM_JOB_CPUS_PER_NODE: [4] per node), fewer than 3 rank(s) x 2 "
+            "CPUs (SLURM_CPUS_PER_TASK=2)",
+        ),
+        (
+            "salloc -N2 --ntasks-per-node=2 mpiexec -n 6",
+            hydra_rank(0, 6, {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "2(x2)",
+                              "SLURM_NTASKS_PER_NODE": "2"}, proxies=2),
+            6, 2,
+            "MPICH hydra mpiexec started 6 rank(s), but this Slurm job asked for at most 4 tasks "
+            "(SLURM_NTASKS_PER_NODE=2 on SLURM_JOB_NUM_NODES=2)",
+        ),
+        (
+            # Open MPI's daemons' step sets SLURM_NTASKS_PER_NODE=1: the CPUs tell instead
+            "salloc -N1 -n2 mpirun -n 4",
+            open_mpi_rank(0, 4, {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_CPUS_PER_NODE": "2"}),
+            4, 1,
+            "Open MPI mpirun started 4 rank(s), but this Slurm job holds 2 CPU(s)",
+        ),
+        (
+            # ranks hydra forks itself (-launcher fork) inherit the job's SLURM_NTASKS unchanged
+            "salloc -N1 -n4 mpiexec -launcher fork -n 2",
+            {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4",
+             "SLURM_TASKS_PER_NODE": "4", "SLURM_JOB_NUM_NODES": "1",
+             "SLURM_JOB_CPUS_PER_NODE": "4", **HYDRA_RANK},
+            2, None,
+            "this Slurm job has 4 tasks (SLURM_NTASKS=4) but only 2 process(es) joined",
+        ),
+    ],
+)
+def test_mpiexec_inside_an_allocation_of_another_size_warns(command, env, world, nodes, expected):
+    [note] = _notes(env, world, nodes)
+    assert expected in note, (command, note)
+    assert "HINT: " in note and ("without -n" in note or "omit -n from mpiexec" in note)
+
+
+@pytest.mark.parametrize(
+    ("command", "env", "world", "nodes"),
+    [
+        (
+            "salloc -N2 -n4 mpiexec",  # placed 3+1 like the job's tasks
+            hydra_rank(0, 4, {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "3,1"},
+                       proxies=2),
+            4, 2,
+        ),
+        (
+            "salloc -N2 --ntasks-per-node=2 mpiexec",
+            hydra_rank(0, 4, {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "2(x2)",
+                              "SLURM_NTASKS_PER_NODE": "2"}, proxies=2),
+            4, 2,
+        ),
+        (
+            "salloc -N1 -n2 -c2 mpiexec",
+            hydra_rank(0, 2, {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_CPUS_PER_NODE": "4",
+                              "SLURM_CPUS_PER_TASK": "2"}),
+            2, 1,
+        ),
+        (
+            "salloc -N2 --ntasks-per-node=2 mpirun",  # SLURM_NTASKS_PER_NODE=1: the daemons'
+            open_mpi_rank(0, 4, {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "2(x2)"},
+                          proxies=2),
+            4, 2,
+        ),
+    ],
+)
+def test_mpiexec_using_the_whole_allocation_does_not_warn(command, env, world, nodes):
+    assert _notes(env, world, nodes) == [], command
 
 
 @pytest.mark.parametrize(

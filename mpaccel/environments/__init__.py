@@ -3,13 +3,15 @@
 The order matters: an MPI launcher inside a Slurm allocation runs its daemons through srun, so
 its ranks also carry SLURM_STEP_* variables that describe the daemons, not the ranks. The MPI
 launchers' own variables therefore win; srun counts only when no MPI launcher claims the ranks.
+Between two MPI launchers, the MPI library decides once it is known (the other's variables are
+left over from another launch).
 """
 
 from __future__ import annotations
 
 from .._env import Snapshot
 from .base import Launcher, ProcessInfo, layout_from_node_keys
-from .mpi import HydraLauncher, OpenMPILauncher, PMILauncher, mpi_family
+from .mpi import HydraLauncher, OpenMPILauncher, PMILauncher, leftover_notes, mpi_family
 from .single import SingleProcess
 from .slurm import SlurmBatchShell, SlurmFacts, SrunLauncher, expand_nodelist
 
@@ -23,11 +25,15 @@ LAUNCHERS: tuple[type[Launcher], ...] = (
 )
 
 
-def detect_launcher(env: Snapshot) -> Launcher:
-    for cls in LAUNCHERS:
-        if cls.detect(env):
-            return cls(env)
-    raise AssertionError("SingleProcess.detect always matches")
+def detect_launcher(env: Snapshot, mpi_library: str | None = None) -> Launcher:
+    """The first launcher of LAUNCHERS whose variables are set; knowing the library mpi4py
+    loaded, one of its family's MPI launchers rather than another MPI's listed before it."""
+    found = [cls for cls in LAUNCHERS if cls.detect(env)]
+    chosen = found[0]
+    if mpi_library is not None and chosen.families:
+        family = mpi_family(mpi_library)
+        chosen = next((cls for cls in found if family in cls.families), chosen)
+    return chosen(env)
 
 
 __all__ = [
@@ -44,5 +50,6 @@ __all__ = [
     "detect_launcher",
     "expand_nodelist",
     "layout_from_node_keys",
+    "leftover_notes",
     "mpi_family",
 ]

@@ -79,6 +79,8 @@ class Launcher:
     """
 
     name = "unknown"
+    # The MPI library families (mpi_family) whose launcher this is; empty: not an MPI library's.
+    families: tuple[str, ...] = ()
 
     @classmethod
     def detect(cls, env: Snapshot) -> bool:
@@ -91,6 +93,10 @@ class Launcher:
         """How many processes this launcher started, by its own account (None: it does not say)."""
         return None
 
+    def size_variable(self) -> str | None:
+        """The variable expected_world_size() comes from (for messages)."""
+        return None
+
     def node_key(self) -> Hashable | None:
         """A key naming this process's node when the launcher is more reliable than shared memory
         (None: group by MPI shared-memory domain)."""
@@ -101,4 +107,13 @@ class Launcher:
         return (
             "the launcher and the MPI library mpi4py loaded do not talk to each other; launch with "
             "the mpiexec that belongs to the MPI library mpi4py uses (see `mpaccel env`)."
+        )
+
+    def mismatch_hint(self, mpi_library: str) -> str:
+        """What to change when the launcher's count and an MPI world larger than 1 disagree."""
+        return (
+            f"{self.size_variable()} does not describe this MPI world: it was inherited from "
+            "another launch (a launcher started inside another one's ranks, such as an mpiexec "
+            "inside srun or inside another mpiexec), or exported by hand. Start the ranks with one "
+            "launcher, and do not export a launcher's variables yourself."
         )

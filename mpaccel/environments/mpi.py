@@ -7,6 +7,7 @@ each other. When the two disagree, the HINT says which half to change.
 from __future__ import annotations
 
 from .. import _env
+from ..errors import LaunchError
 from .base import Launcher
 
 
@@ -36,6 +37,7 @@ class OpenMPILauncher(Launcher):
     """`mpirun`/`mpiexec`/`prterun` of Open MPI (also when it runs its daemons inside Slurm)."""
 
     name = "Open MPI mpirun"
+    families = ("openmpi",)
 
     @classmethod
     def detect(cls, env):
@@ -43,6 +45,9 @@ class OpenMPILauncher(Launcher):
 
     def expected_world_size(self):
         return _env.get_int("ompi_world_size", self.env)
+
+    def size_variable(self):
+        return "OMPI_COMM_WORLD_SIZE"
 
     def singleton_hint(self, mpi_library):
         family = mpi_family(mpi_library)
@@ -64,6 +69,7 @@ class HydraLauncher(Launcher):
     """MPICH's (or Intel MPI's) hydra `mpiexec`. Sets MPI_LOCALRANKID, PMI_RANK and PMI_SIZE."""
 
     name = "MPICH hydra mpiexec"
+    families = ("mpich", "intel", "mvapich")
 
     @classmethod
     def detect(cls, env):
@@ -71,6 +77,9 @@ class HydraLauncher(Launcher):
 
     def expected_world_size(self):
         return _env.get_int("pmi_size", self.env)
+
+    def size_variable(self):
+        return "PMI_SIZE"
 
     def singleton_hint(self, mpi_library):
         family = mpi_family(mpi_library)
@@ -100,3 +109,56 @@ class PMILauncher(Launcher):
 
     def expected_world_size(self):
         return _env.get_int("pmi_size", self.env) or _env.get_int("mvapich_world_size", self.env)
+
+    def size_variable(self):
+        return _env.source_name("pmi_size", self.env) or "MV2_COMM_WORLD_SIZE"
+
+
+# Each MPI launcher's marker variable (detect() looks for it) and the variables it sets.
+MARKERS = {
+    OpenMPILauncher: ("ompi_world_size", "the other OMPI_* and PMIX_* variables"),
+    HydraLauncher: ("hydra_local_rank", "MPI_LOCALNRANKS and the PMI_* variables"),
+}
+
+
+def leftover_notes(env: _env.Snapshot, launcher: Launcher, mpi_library: str) -> list[str]:
+    """Warnings for the variables of another MPI's launcher, when `launcher` (of the family of
+    the library mpi4py loaded) started this process: they were left over from another launch."""
+    family = mpi_family(mpi_library)
+    if family not in launcher.families:
+        return []
+    notes = []
+    for cls, (logical, siblings) in MARKERS.items():
+        variable = _env.source_name(logical, env)
+        if family in cls.families or variable is None:
+            continue
+        notes.append(
+            f"{variable}={_env.get(logical, env)!r} is set as if {cls.name} had started this "
+            f"process, but {launcher.name} did ({launcher.size_variable()}="
+            f"{launcher.expected_world_size()}; mpi4py loaded {_first_line(mpi_library)!r}): "
+            f"{variable} was left over from another launch (exported by hand, or inherited by an "
+            "mpiexec started from inside another MPI job). mpaccel ignores it; code that reads "
+            f"it (Accelerate's MPI detection does) takes a wrong rank or size. HINT: unset "
+            f"{variable} and {siblings} before launching."
+        )
+    return notes
+
+
+def check_pmix_before_init(launcher: Launcher, env: _env.Snapshot, mpi_library: str) -> None:
+    """Refuse, before MPI_Init, a process that a PMIx launcher (Open MPI's mpirun, `srun
+    --mpi=pmix`) started when mpi4py loaded an MPICH built without PMIx: that MPI_Init aborts
+    the process ("unsupported PMI version PMIx", measured with the pip wheel), leaving nothing
+    to explain why."""
+    if mpi_family(mpi_library) != "mpich" or "pmix" in mpi_library.lower():
+        return
+    pmix = [(_env.source_name(n, env), _env.get(n, env)) for n in ("pmix_rank", "pmix_namespace")]
+    said = [f"{variable}={value!r}" for variable, value in pmix if value is not None]
+    if not said:
+        return
+    raise LaunchError(
+        f"a PMIx launcher started this process ({launcher.name}; {', '.join(said)}), but "
+        f"mpi4py loaded {_first_line(mpi_library)!r}, built without "
+        "PMIx: its MPI_Init would abort with 'Runtime environment uses unsupported PMI "
+        "version PMIx'",
+        launcher.singleton_hint(mpi_library),
+    )

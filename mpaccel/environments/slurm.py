@@ -42,8 +42,13 @@ def expand_nodelist(expression: str | None) -> list[str]:
 _TASKS_PER_NODE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 
-def expand_tasks_per_node(expression: str | None) -> list[int]:
-    """Slurm's compressed `2(x3),1` -> [2, 2, 2, 1]."""
+def expand_tasks_per_node(
+    expression: str | None, variable: str = "SLURM_TASKS_PER_NODE"
+) -> list[int]:
+    """Slurm's compressed `2(x3),1` -> [2, 2, 2, 1] (also the format of SLURM_JOB_CPUS_PER_NODE).
+
+    `variable` is the one `expression` was read from, for the error message.
+    """
     if not expression:
         return []
     out: list[int] = []
@@ -51,8 +56,8 @@ def expand_tasks_per_node(expression: str | None) -> list[int]:
         match = _TASKS_PER_NODE.match(part.strip())
         if match is None:
             raise LaunchError(
-                f"cannot parse SLURM_TASKS_PER_NODE={expression!r} (part {part!r})",
-                "this variable is set by Slurm; unset any hand-made value.",
+                f"cannot parse {variable}={expression!r} (part {part!r})",
+                f"{variable} is set by Slurm; unset any hand-made value.",
             )
         out.extend([int(match.group(1))] * int(match.group(2) or 1))
     return out
@@ -74,6 +79,9 @@ class SlurmFacts:
     job_num_nodes: int | None = None
     ntasks_per_node: int | None = None
     tasks_per_node: tuple[int, ...] = ()
+    tasks_per_node_variable: str | None = None  # SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE
+    job_cpus_per_node: tuple[int, ...] = ()
+    cpus_per_task: int | None = None
     procid: int | None = None
     localid: int | None = None
     nodeid: int | None = None
@@ -88,6 +96,13 @@ class SlurmFacts:
         def integer(name: str) -> int | None:
             return _env.get_int(name, env)
 
+        def per_node(name: str) -> tuple[tuple[int, ...], str | None]:
+            variable = _env.source_name(name, env)
+            if variable is None:
+                return (), None
+            return tuple(expand_tasks_per_node(_env.get(name, env), variable)), variable
+
+        tasks_per_node, tasks_per_node_variable = per_node("slurm_tasks_per_node")
         return cls(
             job_id=_env.get("slurm_job_id", env),
             array_job_id=_env.get("slurm_array_job_id", env),
@@ -100,7 +115,10 @@ class SlurmFacts:
             step_num_nodes=integer("slurm_step_num_nodes"),
             job_num_nodes=integer("slurm_job_num_nodes"),
             ntasks_per_node=integer("slurm_ntasks_per_node"),
-            tasks_per_node=tuple(expand_tasks_per_node(_env.get("slurm_tasks_per_node", env))),
+            tasks_per_node=tasks_per_node,
+            tasks_per_node_variable=tasks_per_node_variable,
+            job_cpus_per_node=per_node("slurm_job_cpus_per_node")[0],
+            cpus_per_task=integer("slurm_cpus_per_task"),
             procid=integer("slurm_procid"),
             localid=integer("slurm_localid"),
             nodeid=integer("slurm_nodeid"),
@@ -130,9 +148,10 @@ def srun_mpi_hint(mpi_library: str, mpi_type: str | None) -> str:
     else:
         choice = f"`srun --mpi={plugin}` (mpi4py loaded {family})"
     return (
-        f"srun started the tasks without an MPI plugin the library understands{said}, so each "
-        f"task is its own world of 1. Use {choice}; `srun --mpi=list` shows what the cluster "
-        "offers, and `export SLURM_MPI_TYPE=...` or MpiDefault in slurm.conf sets it for all steps."
+        f"srun started the tasks without an MPI plugin the library understands{said}, so they "
+        "cannot form one MPI world (each task is its own world of 1, or MPI_Init aborts). Use "
+        f"{choice}; `srun --mpi=list` shows what the cluster offers, and `export "
+        "SLURM_MPI_TYPE=...` or MpiDefault in slurm.conf sets it for all steps."
     )
 
 
@@ -155,6 +174,9 @@ class SrunLauncher(Launcher):
     def expected_world_size(self):
         return self.facts.step_num_tasks
 
+    def size_variable(self):
+        return "SLURM_STEP_NUM_TASKS"
+
     def node_key(self):
         # Slurm's node, not the shared-memory domain: simulated nodes share one host, and on real
         # clusters the two agree. GPU binding and SLURM_LOCALID follow Slurm's node.
@@ -164,6 +186,15 @@ class SrunLauncher(Launcher):
 
     def singleton_hint(self, mpi_library):
         return srun_mpi_hint(mpi_library, self.facts.mpi_type)
+
+    def mismatch_hint(self, mpi_library):
+        return (
+            "launch exactly one MPI rank per srun task: either `srun --mpi=... python ...` or "
+            "`mpiexec python ...` inside the allocation, not one inside the other. The same "
+            "happens when the SLURM_STEP_* variables come from another step (an srun inside an "
+            "srun task, or variables exported by hand): launch the ranks with one srun directly. "
+            + SKIP_HINT
+        )
 
 
 class SlurmBatchShell(Launcher):
@@ -198,14 +229,7 @@ def check_srun_layout(facts: Sequence[SlurmFacts], infos: Sequence[ProcessInfo])
             'as in `srun bash -c "... $SLURM_PROCID"` or `export SLURM_PROCID=...`. Quote it '
             "with single quotes, or drop it: mpaccel reads ranks from MPI. " + SKIP_HINT,
         )
-    step = facts[0]
-    if step.step_num_tasks is not None and step.step_num_tasks != world:
-        raise LaunchError(
-            f"this srun step has SLURM_STEP_NUM_TASKS={step.step_num_tasks} but MPI sees "
-            f"{world} ranks",
-            "launch exactly one MPI rank per srun task: either `srun --mpi=... python ...` or "
-            "`mpiexec python ...` inside the allocation, not both. " + SKIP_HINT,
-        )
+    step = facts[0]  # (its SLURM_STEP_NUM_TASKS against the world: discovery.check_world_size)
     local_sizes: dict[int, int] = {}
     for info in infos:
         local_sizes[info.node_index] = info.local_num_processes
@@ -220,7 +244,7 @@ def check_srun_layout(facts: Sequence[SlurmFacts], infos: Sequence[ProcessInfo])
     if step.tasks_per_node and sorted(step.tasks_per_node) != sorted(observed):
         raise LaunchError(
             f"Slurm placed {list(step.tasks_per_node)} task(s) per node "
-            f"(SLURM_TASKS_PER_NODE) but MPI found {observed}",
+            f"({step.tasks_per_node_variable}) but MPI found {observed}",
             "the SLURM_* variables do not describe this step; launch the ranks with one srun "
             "directly. " + SKIP_HINT,
         )
@@ -240,20 +264,81 @@ def check_srun_layout(facts: Sequence[SlurmFacts], infos: Sequence[ProcessInfo])
         )
 
 
-def allocation_warnings(facts: SlurmFacts, launcher: Launcher, world: int) -> list[str]:
-    """Suspicious but possibly intended layouts inside a Slurm job (warnings, not errors)."""
+def _job_tasks(facts: SlurmFacts) -> tuple[int, str, bool] | None:
+    """(count, where from, exact) of the job's tasks as this process can know them.
+
+    An MPI launcher inside an allocation (hydra, Open MPI's mpirun) starts its daemons as an srun
+    step, and its ranks inherit that step: their SLURM_NTASKS, SLURM_NPROCS, SLURM_NNODES and
+    SLURM_TASKS_PER_NODE count the daemons (measured: docs/slurm-environment-facts.md). Outside
+    a step (the batch shell, or ranks an mpiexec forked itself) SLURM_NTASKS is the job's.
+    SLURM_NTASKS_PER_NODE x SLURM_JOB_NUM_NODES bounds it (`-n` may ask for less); hydra's ranks
+    keep the job's SLURM_NTASKS_PER_NODE, Open MPI's get 1 from its daemons' step (`srun
+    --ntasks-per-node=1`), so in a step a 1 says nothing.
+    """
+    if not facts.in_step and facts.ntasks is not None:
+        return facts.ntasks, f"SLURM_NTASKS={facts.ntasks}", True
+    per_node = facts.ntasks_per_node
+    if per_node is not None and facts.job_num_nodes is not None:
+        if facts.in_step and per_node == 1:
+            return None
+        source = f"SLURM_NTASKS_PER_NODE={per_node} on SLURM_JOB_NUM_NODES={facts.job_num_nodes}"
+        return per_node * facts.job_num_nodes, source, False
+    return None
+
+
+WHOLE_ALLOCATION_HINT = (
+    "HINT: use `srun --mpi=pmi2 python ...` (MPICH), or `mpiexec python ...` without -n: inside "
+    "an allocation, MPICH's mpiexec and Open MPI's mpirun start one rank per Slurm task."
+)
+
+
+def allocation_warnings(
+    facts: SlurmFacts, launcher: Launcher, world: int, nodes: int | None = None
+) -> list[str]:
+    """Suspicious but possibly intended layouts inside a Slurm job (warnings, not errors).
+
+    `nodes`: on how many Slurm nodes (SLURMD_NODENAME) the world's processes run, if known.
+    Under srun, check_srun_layout compares the step with the world instead.
+    """
     out: list[str] = []
     if not facts.in_job or isinstance(launcher, SrunLauncher):
         return out
-    if facts.ntasks is not None and facts.ntasks > world:
-        how = (
-            "python ran directly in the batch script"
-            if isinstance(launcher, SlurmBatchShell)
-            else f"{launcher.name} started {world} rank(s)"
-        )
+    if isinstance(launcher, SlurmBatchShell):
+        how = "python ran directly in the batch script (or salloc's shell), not under srun"
+    else:
+        how = f"{launcher.name} started {world} rank(s)"
+    tasks = _job_tasks(facts)
+    if tasks is not None and world < tasks[0]:
+        count, source, exact = tasks
+        has = f"has {count} tasks" if exact else f"asked for up to {count} tasks"
         out.append(
-            f"this Slurm job has {facts.ntasks} tasks (SLURM_NTASKS) but only {world} process(es) "
-            f"joined the MPI world: {how}. HINT: use `srun --mpi=pmi2 python ...` (MPICH) or "
-            "`mpiexec python ...` without -n to use the whole allocation."
+            f"this Slurm job {has} ({source}) but only {world} process(es) joined the MPI "
+            f"world: {how}. {WHOLE_ALLOCATION_HINT}"
+        )
+    elif nodes is not None and facts.job_num_nodes is not None and nodes < facts.job_num_nodes:
+        out.append(
+            f"this Slurm job has {facts.job_num_nodes} nodes (SLURM_JOB_NUM_NODES) but its "
+            f"{world} MPI process(es) run on {nodes} of them: {how}, and the other node(s) "
+            f"stay idle. {WHOLE_ALLOCATION_HINT}"
+        )
+    cpus = sum(facts.job_cpus_per_node)
+    per_task = facts.cpus_per_task or 1
+    if tasks is not None and world > tasks[0]:
+        count, source, exact = tasks
+        has = f"has {count} tasks" if exact else f"asked for at most {count} tasks"
+        out.append(
+            f"{how}, but this Slurm job {has} ({source}): its CPUs (and GPUs) were allocated "
+            f"for fewer processes. HINT: ask Slurm for {world} tasks (`sbatch -n {world}` / "
+            f"`salloc -n {world}`), or omit -n from mpiexec to start one rank per Slurm task."
+        )
+    elif cpus and world * per_task > cpus:
+        need = f"{world} rank(s)"
+        if facts.cpus_per_task:
+            need += f" x {per_task} CPUs (SLURM_CPUS_PER_TASK={facts.cpus_per_task})"
+        out.append(
+            f"{how}, but this Slurm job holds {cpus} CPU(s) (SLURM_JOB_CPUS_PER_NODE: "
+            f"{list(facts.job_cpus_per_node)} per node), fewer than {need}: the ranks share "
+            f"CPUs. HINT: ask Slurm for {world} tasks (`sbatch -n {world}` / `salloc -n "
+            f"{world}`), or omit -n from mpiexec to start one rank per Slurm task."
         )
     return out
