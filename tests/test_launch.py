@@ -359,8 +359,7 @@ def test_silent_singleton_from_a_foreign_launcher(tmp_path):
 def test_silent_singletons_under_a_real_foreign_mpiexec(tmp_path):
     # This venv's MPICH mpiexec starting the Open MPI venv's python (CI builds both): Open MPI
     # ignores hydra's PMI_* and every process initialises a world of its own. (The other way
-    # round, MPICH under Open MPI's launcher aborts inside MPI_Init: "unsupported PMI version
-    # PMIx", before any Python code can speak.)
+    # round, MPICH under Open MPI's launcher, is caught before MPI_Init: tests/test_discovery.py.)
     venv = pathlib.Path(sys.prefix)
     foreign_python = venv.with_name(venv.name + "-openmpi") / "bin" / "python"
     if not foreign_python.exists():
