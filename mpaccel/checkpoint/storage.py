@@ -132,8 +132,8 @@ def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dic
     Non-tensor values that differ are saved as rank 0 has them, with a warning naming the first
     one."""
     digests = comm.allgather((_digest(layout), _digest(documents)), what=what)
-    error = None
-    if len({d[0] for d in digests}) > 1:
+    if len({d[0] for d in digests}) > 1:  # every rank sees the same digests: all take this path
+        error = None
         reference = comm.bcast(layout if comm.rank == 0 else None, what=what)
         if layout != reference:
             missing = [k for k in reference if k not in layout]
@@ -152,7 +152,7 @@ def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dic
                 "every rank must save the same model and optimizer: look for code that builds "
                 "or changes them depending on the rank.",
             )
-    comm.agree(error, what + " (comparing the ranks' states)")
+        comm.agree(error, what + " (comparing the ranks' states)")
     if len({d[1] for d in digests}) > 1:
         documents_of = comm.allgather(documents, what=what)
         if comm.rank == 0:
