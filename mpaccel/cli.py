@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from . import __version__, _env
 from .device import select_device
-from .discovery import discover
+from .discovery import discover, import_mpi
 from .environments import SlurmFacts, detect_launcher
 from .errors import LaunchError
 
@@ -47,11 +47,12 @@ def _loaded_libmpi() -> str | None:
 
 def _mpi_facts(env: _env.Snapshot) -> Facts:
     facts: Facts = {"MPI4PY_LIBMPI": _env.get("mpi4py_libmpi", env)}
-    try:
-        import mpi4py
-        from mpi4py import MPI
+    try:  # without MPI_Init: discover() first checks that this launcher suits the library
+        MPI = import_mpi()
     except (ImportError, RuntimeError) as exc:  # no mpi4py, or no libmpi it can load
         return {**facts, "error": str(exc)}
+    import mpi4py
+
     major, minor = MPI.Get_version()
     return {
         **facts,
@@ -132,7 +133,7 @@ def collect_env_facts() -> Facts:
         "ranks": [],
         "rank": _env.rank_before_init(env) or 0,
         "torch": _torch_facts(),
-        "mpi": _mpi_facts(env),  # imports mpi4py.MPI (MPI_Init) as discover() would
+        "mpi": _mpi_facts(env),
     }
     discovery = None
     try:  # a malformed launcher variable is a launch problem to report, not a crash of the report

@@ -43,29 +43,36 @@ class Discovery:
     warnings: tuple[str, ...] = field(default=())
 
 
-def load_mpi(launcher: Launcher) -> Any | None:
-    """Import mpi4py.MPI *without* MPI_Init (init_mpi does that); None when there is no MPI and
-    none is needed.
+def import_mpi() -> Any:
+    """Import mpi4py.MPI *without* MPI_Init (init_mpi does that).
 
     The library is then known before MPI_Init: with the wrong launcher, MPI_Init itself can abort
     the process before any check could explain why (check_pmix_before_init). mpi4py.rc decides
     at import whether mpi4py initialises MPI, and whether it finalises it at exit; a module
-    imported earlier (MPI already initialised by then) is returned as it is.
+    imported earlier (MPI already initialised by then) is returned as it is. Raises ImportError
+    (no mpi4py) or RuntimeError (mpi4py 4: no libmpi it can load).
     """
-    try:
-        import mpi4py
+    import mpi4py
 
-        if "mpi4py.MPI" in sys.modules:
-            from mpi4py import MPI
-        else:
-            rc = mpi4py.rc
-            saved = rc.initialize, rc.finalize
-            # finalize=None means "if initialised at import": keep mpi4py's MPI_Finalize at exit
-            rc.initialize, rc.finalize = False, True if rc.finalize is None else rc.finalize
-            try:
-                from mpi4py import MPI
-            finally:
-                rc.initialize, rc.finalize = saved
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        return MPI
+    rc = mpi4py.rc
+    saved = rc.initialize, rc.finalize
+    # finalize=None means "if initialised at import": keep mpi4py's MPI_Finalize at exit
+    rc.initialize, rc.finalize = False, True if rc.finalize is None else rc.finalize
+    try:
+        from mpi4py import MPI
+    finally:
+        rc.initialize, rc.finalize = saved
+    return MPI
+
+
+def load_mpi(launcher: Launcher) -> Any | None:
+    """import_mpi(), or None when there is no MPI and none is needed."""
+    try:
+        return import_mpi()
     except (ImportError, RuntimeError) as exc:  # no libmpi (mpi4py 4 raises RuntimeError)
         expected = launcher.expected_world_size()
         if isinstance(launcher, SingleProcess) or not expected or expected == 1:
@@ -77,7 +84,6 @@ def load_mpi(launcher: Launcher) -> Any | None:
             "`pip install mpich`), or point mpi4py at the cluster's: MPI4PY_LIBMPI=/path/to/"
             "libmpi.so (`module load` the MPI your mpiexec belongs to).",
         ) from exc
-    return MPI
 
 
 def init_mpi(MPI: Any) -> None:

@@ -185,6 +185,20 @@ def test_launch_mistake_is_reported_with_exit_1():
 
 
 @pytest.mark.mpi(size=1)
+def test_pmix_launch_of_mpich_is_reported_not_aborted():
+    # What Open MPI's mpirun gives each process (measured): mpi4py loading the pip MPICH there
+    # must not reach MPI_Init (it aborts with "unsupported PMI version PMIx", no report at all).
+    run = _python_m_mpaccel("env", extra_env={
+        "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "PMIX_RANK": "0",
+        "PMIX_NAMESPACE": "prterun-vm-18091@1", "PRTE_LAUNCHED": "1"})
+    assert run.returncode == 1, run.stdout + run.stderr
+    problem = run.stdout.split("launch problem\n--------------\n")[1].split("\n\n")[0]
+    assert "a PMIx launcher started this process" in problem
+    assert "HINT:" in problem and "MPI4PY_LIBMPI=libmpi.so.40" in problem
+    assert "MPICH Version" in run.stdout
+
+
+@pytest.mark.mpi(size=1)
 def test_unloadable_mpi_library_is_reported():
     # With no launcher, a job without MPI still runs as one process: the report says why MPI
     # is missing, and the launch itself is not a problem.
