@@ -28,7 +28,7 @@ from .environments import (
 )
 from .environments.mpi import check_pmix_before_init
 from .environments.slurm import allocation_warnings, check_srun_layout
-from .errors import LaunchError
+from .errors import ConfigurationError, LaunchError, MpaccelError
 
 
 @dataclass(frozen=True)
@@ -137,36 +137,75 @@ def node_oversubscribed(keys: Sequence[Any], cores: Sequence[frozenset[int]], ra
     return len(mine) > len(usable)
 
 
+@dataclass(frozen=True)
+class _LaunchVariables:
+    """Everything discover() reads from the environment, parsed before MPI_Init."""
+
+    slurm: SlurmFacts
+    launcher: Launcher
+    skip_checks: bool
+    progress_ms: float | None
+
+    @classmethod
+    def parse(cls, env: _env.Snapshot) -> _LaunchVariables:
+        launcher = detect_launcher(env)
+        launcher.expected_world_size()  # parses the launcher's count now, not after MPI_Init
+        return cls(
+            SlurmFacts.from_env(env),
+            launcher,
+            _env.get_bool("skip_launch_checks", False, env),
+            _env.get_float("mpi_progress", env),
+        )
+
+
 def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) -> Discovery:
     """Collective over COMM_WORLD: every process of the job must call this, once.
 
-    Initialises MPI (unless done before) after the checks that need no MPI world.
+    Initialises MPI (unless done before) after the checks that need no MPI world. A malformed
+    variable on some ranks only is raised on every rank once MPI is up: raised before MPI_Init
+    on those ranks alone, it would leave the others waiting in MPI_Init.
     """
     env = _env.snapshot() if env is None else env
-    slurm = SlurmFacts.from_env(env)
     host = socket.gethostname()
-    launcher = detect_launcher(env)
-    MPI = load_mpi(launcher)
+    parsed: _LaunchVariables | None = None
+    problem: MpaccelError | None = None
+    try:
+        parsed = _LaunchVariables.parse(env)
+    except (ConfigurationError, LaunchError) as exc:
+        problem = exc
+    MPI = load_mpi(parsed.launcher if parsed else SingleProcess(env))
     if MPI is None:
+        if problem is not None:
+            raise problem
+        assert parsed is not None
         comm: Comm = NullComm(host, default_timeout)
         return Discovery(
-            ProcessInfo.single(host), launcher, comm, "no MPI library", None, slurm, (host,)
+            ProcessInfo.single(host), parsed.launcher, comm, "no MPI library", None,
+            parsed.slurm, (host,),
         )
     library = MPI.Get_library_version().strip()  # allowed before MPI_Init
     version = MPI.Get_version()
-    launcher = detect_launcher(env, library)
-    notes = leftover_notes(env, launcher, library)
-    skip = _env.get_bool("skip_launch_checks", False, env)
+    notes: list[str] = []
+    launcher: Launcher = SingleProcess(env)
+    if parsed is not None:
+        launcher = detect_launcher(env, library)
+        notes = leftover_notes(env, launcher, library)
+    skip = parsed.skip_checks if parsed else False
     if not skip and not MPI.Is_initialized():
-        check_pmix_before_init(launcher, env, library)
+        try:
+            check_pmix_before_init(launcher, env, library)
+        except LaunchError:
+            if problem is not None:  # MPI_Init would abort: this rank's own mistake first
+                raise problem from None
+            raise
     init_mpi(MPI)
     world = MPI.COMM_WORLD
-    problem: LaunchError | None = None
-    if not skip:
+    if not skip and problem is None:
         try:
             check_world_size(launcher, world.Get_size(), library)
         except LaunchError as exc:
             problem = exc
+    slurm = parsed.slurm if parsed else SlurmFacts()
     if world.Get_size() == 1:
         if problem is not None:
             raise problem
@@ -177,24 +216,24 @@ def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) 
         )
 
     mpi_comm = MPIComm(world, default_timeout)
-    progress_ms = _env.get_float("mpi_progress", env)
-    if progress_ms is not None and progress_ms > 0:
-        mpi_comm.keep_progressing(progress_ms / 1000.0)
-    key = launcher.node_key()
-    if key is None:
-        local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-        key = ("shm", local.allreduce(world.Get_rank(), op=MPI.MIN))
-        local.Free()
+    # Every rank splits, whatever its launcher says, so that the collectives are the same on
+    # every rank even when one of them could not read its variables.
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    shm_key = ("shm", local.allreduce(world.Get_rank(), op=MPI.MIN))
+    local.Free()
+    key = launcher.node_key() if parsed else None
     # A rank's own launcher variables may disagree with the others' (a hand-made value): the
     # verdict is taken from everyone's, so every rank raises the same error and none waits.
     gathered = mpi_comm.allgather(
-        (key, host, slurm, _cores(), problem), what="process discovery"
+        (shm_key if key is None else key, host, slurm, _cores(), problem),
+        what="process discovery",
     )
-    problems = [g[4] for g in gathered if g[4] is not None]
-    if problems:
-        if mpi_comm.progress is not None:
-            mpi_comm.progress.stop()
-        raise problems[0]
+    failed = [r for r, g in enumerate(gathered) if g[4] is not None]
+    if failed:
+        raise _named(gathered[failed[0]][4], failed, len(gathered), [g[1] for g in gathered])
+    assert parsed is not None  # else this rank's problem was raised above
+    if parsed.progress_ms is not None and parsed.progress_ms > 0:
+        mpi_comm.keep_progressing(parsed.progress_ms / 1000.0)
     keys = [g[0] for g in gathered]
     hosts = tuple(g[1] for g in gathered)
     mpi_comm.hosts = hosts
@@ -210,6 +249,18 @@ def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) 
     nodes = None if None in names else len(names)
     notes += allocation_warnings(slurm, launcher, mpi_comm.size, nodes)
     return Discovery(info, launcher, mpi_comm, library, version, slurm, hosts, tuple(notes))
+
+
+def _named(
+    problem: MpaccelError, failed: list[int], size: int, hosts: list[str]
+) -> MpaccelError:
+    """The first failing rank's error, raised on every rank: named by rank and host when only
+    some ranks have it (everyone's own variables are then not to blame)."""
+    if len(failed) == size:
+        return problem
+    where = ", ".join(f"{r} ({hosts[r]})" for r in failed[:8])
+    more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
+    return type(problem)(f"on rank {where}{more} only: {problem.message}", problem.hint)
 
 
 def emit_warnings(discovery: Discovery) -> None:

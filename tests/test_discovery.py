@@ -40,7 +40,7 @@ from mpaccel.environments.slurm import (
     check_srun_layout,
     expand_tasks_per_node,
 )
-from mpaccel.errors import CollectiveError, LaunchError
+from mpaccel.errors import CollectiveError, ConfigurationError, LaunchError
 from mpaccel.testing import reset_state
 
 MPICH = "MPICH Version:      5.0.2\nMPICH Release date: ..."
@@ -282,8 +282,24 @@ def test_a_launcher_count_one_rank_disagrees_with_fails_every_rank_alike(comm):
     with pytest.raises(LaunchError) as info:
         discover(default_timeout=30, env=_env.snapshot(env))
     assert info.value.message == (
-        f"MPICH hydra mpiexec says the job has {size + 1} processes (PMI_SIZE={size + 1}), but "
-        f"MPI sees a world of {size}"
+        f"on rank {size - 1} ({socket.gethostname()}) only: MPICH hydra mpiexec says the job has "
+        f"{size + 1} processes (PMI_SIZE={size + 1}), but MPI sees a world of {size}"
+    )
+    assert comm.allgather(str(info.value)) == [str(info.value)] * size
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi_timeout(60)  # the ranks that parsed theirs would wait for the one that raised
+def test_a_variable_malformed_on_one_rank_fails_every_rank_alike(comm):
+    size = comm.size
+    env = {**HYDRA_RANK, "PMI_RANK": str(comm.rank), "MPI_LOCALRANKID": str(comm.rank),
+           "PMI_SIZE": str(size), "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NUM_NODES": "x" if comm.rank == 0 else "1"}
+    with pytest.raises(ConfigurationError) as info:
+        discover(default_timeout=30, env=_env.snapshot(env))
+    assert info.value.message == (
+        f"on rank 0 ({socket.gethostname()}) only: environment variable "
+        "SLURM_JOB_NUM_NODES='x' is not an integer"
     )
     assert comm.allgather(str(info.value)) == [str(info.value)] * size
 
