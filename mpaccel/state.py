@@ -343,11 +343,17 @@ class PartialState:
     def on_process(
         self, function: Callable | int | None = None, process_index: int | None = None
     ) -> Callable:
-        """Decorator: run the function on the process with global index `process_index`."""
+        """Decorator: run the function on the process with global index `process_index`.
+
+        In a job of one process it runs whatever the index, as Accelerate does when not
+        distributed: a script written for N processes does all its work as plain `python`."""
         if isinstance(function, int) and not isinstance(function, bool):
             function, process_index = None, function
         index = _required_index(process_index, "on_process", "process_index")
-        return self._run_if(function, lambda: self.process_index == index)  # type: ignore[arg-type]
+        return self._run_if(
+            function,  # type: ignore[arg-type]
+            lambda: self.process_index == index or self.num_processes == 1,
+        )
 
     def on_local_process(
         self,
@@ -356,7 +362,8 @@ class PartialState:
         *,
         local_process_idx: int | None = None,
     ) -> Callable:
-        """Decorator: run the function on the process with this local index on every node.
+        """Decorator: run the function on the process with this local index on every node (in a
+        job of one process, whatever the index, as on_process).
 
         `local_process_idx=` is accepted as an alias (Accelerate's guides use both)."""
         if isinstance(function, int) and not isinstance(function, bool):
@@ -364,7 +371,10 @@ class PartialState:
         if local_process_index is None:
             local_process_index = local_process_idx
         index = _required_index(local_process_index, "on_local_process", "local_process_index")
-        return self._run_if(function, lambda: self.local_process_index == index)  # type: ignore[arg-type]
+        return self._run_if(
+            function,  # type: ignore[arg-type]
+            lambda: self.local_process_index == index or self.num_processes == 1,
+        )
 
     def destroy_process_group(self, group: Any = None) -> None:
         """Destroy `group`, or the default torch.distributed group when None."""

@@ -237,6 +237,27 @@ def test_state_decorators_too(state, comm):
     assert first() == (0 if comm.rank == 0 else None)
 
 
+def test_index_decorators_at_size_one_run_whatever_the_index(state, comm):
+    # As Accelerate does when not distributed, so that a script written for N processes runs
+    # all of its work as plain `python`; at size N an index no rank has runs nowhere.
+    @state.on_process(process_index=3)
+    def third():
+        return "ran"
+
+    @state.on_local_process(local_process_index=5)
+    def fifth_local():
+        return "ran"
+
+    @state.on_process(process_index=comm.size)
+    def beyond():
+        return "ran"
+
+    alone = comm.size == 1
+    assert third() == ("ran" if alone or comm.rank == 3 else None)
+    assert fifth_local() == ("ran" if alone or state.local_process_index == 5 else None)
+    assert comm.allgather(beyond()) == (["ran"] if alone else [None] * comm.size)
+
+
 def test_print_once_per_node(accelerator, capsys):
     accelerator.print("hello", "node")
     out = capsys.readouterr().out
