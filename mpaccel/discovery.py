@@ -158,21 +158,25 @@ class _LaunchVariables:
         )
 
 
-def discover(default_timeout: float = 1800.0, env: _env.Snapshot | None = None) -> Discovery:
+def discover(
+    default_timeout: float = 1800.0,
+    env: _env.Snapshot | None = None,
+    problem: MpaccelError | None = None,
+) -> Discovery:
     """Collective over COMM_WORLD: every process of the job must call this, once.
 
     Initialises MPI (unless done before) after the checks that need no MPI world. A malformed
     variable on some ranks only is raised on every rank once MPI is up: raised before MPI_Init
-    on those ranks alone, it would leave the others waiting in MPI_Init.
+    on those ranks alone, it would leave the others waiting in MPI_Init. `problem` is such an
+    error the caller found (a malformed setting of its own).
     """
     env = _env.snapshot() if env is None else env
     host = socket.gethostname()
     parsed: _LaunchVariables | None = None
-    problem: MpaccelError | None = None
     try:
         parsed = _LaunchVariables.parse(env)
     except (ConfigurationError, LaunchError) as exc:
-        problem = exc
+        problem = problem or exc
     MPI = load_mpi(parsed.launcher if parsed else SingleProcess(env))
     if MPI is None:
         if problem is not None:

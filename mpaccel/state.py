@@ -23,7 +23,7 @@ from .comm import Comm
 from .device import check_gpus_not_shared, current_device
 from .discovery import Discovery, discover, emit_warnings
 from .environments import ProcessInfo
-from .errors import ConfigurationError
+from .errors import ConfigurationError, MpaccelError
 from .split import split_inputs
 from .utils.dataclasses import (
     DistributedType,
@@ -38,11 +38,15 @@ _discovery: Discovery | None = None
 _abort_hook_installed = False
 
 
-def _discover(timeout: float) -> Discovery:
+def _discover(timeout: float, problem: MpaccelError | None = None) -> Discovery:
+    """The job's Discovery, made once (collective the first time). `problem`: this rank's own
+    error, raised on every rank once MPI is up (see discover)."""
     global _discovery
     if _discovery is None:
-        _discovery = discover(timeout)
+        _discovery = discover(timeout, problem=problem)
         emit_warnings(_discovery)
+    elif problem is not None:
+        raise problem
     return _discovery
 
 
@@ -131,14 +135,20 @@ class PartialState:
                 f"PartialState got unexpected keyword argument(s) {sorted(unknown)}; it takes "
                 f"cpu and the InitProcessGroupKwargs fields {sorted(_PROCESS_GROUP_KEYS)}"
             )
-        cpu = bool(cpu) or _env.get_bool("use_cpu", False)
+        try:
+            use_cpu = _env.get_bool("use_cpu", False)
+            env_timeout = _env.get_float("timeout")
+            debug = _env.get_bool("debug", False)
+        except ConfigurationError as exc:  # raised on every rank: none waits in MPI_Init
+            _discover(DEFAULT_TIMEOUT, exc)
+            raise
+        cpu = bool(cpu) or use_cpu
         if self.initialized:
             self._check_same(cpu)
             return
         pg = InitProcessGroupKwargs(**kwargs)
         # One deadline for mpaccel's own collectives and for torch.distributed's (store,
         # gloo/NCCL): InitProcessGroupKwargs(timeout=), else MPACCEL_TIMEOUT, else 30 min.
-        env_timeout = _env.get_float("timeout")
         timeout = pg.timeout or (timedelta(seconds=env_timeout) if env_timeout else None)
         default_timeout = timeout.total_seconds() if timeout else DEFAULT_TIMEOUT
         found = _discover(default_timeout)
@@ -166,7 +176,7 @@ class PartialState:
             comm=found.comm,
             default_timeout=default_timeout,
             device=device,
-            debug=_env.get_bool("debug", False),
+            debug=debug,
             fork_launched=False,
             distributed_type=distributed_type,
             backend=backend,

@@ -347,20 +347,24 @@ def _plain_python(tmp_path, extra_env, body="from mpaccel import PartialState; P
     )
 
 
-def test_a_malformed_variable_on_one_rank_fails_every_rank(tmp_path):
+@pytest.mark.parametrize(
+    ("variable", "value", "kind"),
+    [("SLURM_LOCALID", "abc", "an integer"), ("MPACCEL_TIMEOUT", "3x", "a number")],
+)
+def test_a_malformed_variable_on_one_rank_fails_every_rank(tmp_path, variable, value, kind):
     # Raised before MPI_Init on rank 1 alone, it left rank 0 waiting in MPI_Init until the
     # job's timeout (measured: hydra does not end the job when a rank exits before MPI_Init).
     venv = pathlib.Path(sys.prefix) / "bin"
     body = "from mpaccel import PartialState; PartialState()"
     command = [str(venv / "mpiexec"), "-n", "1", sys.executable, "-c", body, ":",
-               "-n", "1", "-env", "SLURM_JOB_ID", "5", "-env", "SLURM_LOCALID", "abc",
+               "-n", "1", "-env", "SLURM_JOB_ID", "5", "-env", variable, value,
                sys.executable, "-c", body]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path,
                             env=_env.child_environment())
     assert result.returncode != 0
     said = "ConfigurationError: on rank 1 ("
     assert result.stderr.count(said) == 2, result.stderr
-    assert "only: environment variable SLURM_LOCALID='abc' is not an integer" in result.stderr
+    assert f"only: environment variable {variable}={value!r} is not {kind}" in result.stderr
 
 
 def test_silent_singleton_from_a_foreign_launcher(tmp_path):
