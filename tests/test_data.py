@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from mpaccel import Accelerator
 from mpaccel.errors import ConfigurationError
@@ -202,16 +210,21 @@ WHOLE_BATCHES = {
 }
 
 
-@pytest.mark.parametrize("source", ["batch_sampler", "iterable"])
+def _unknown_size(source: str, batches: list[list[int]]) -> DataLoader:
+    if source == "batch_sampler":
+        return DataLoader(list(range(12)), batch_sampler=VariableBatches(batches))
+    if source == "iterable":  # an iterable dataset yielding whole batches
+        return DataLoader(BatchStream(batches), batch_size=None)
+    # a map-style dataset whose items are whole batches, read unbatched
+    return DataLoader([torch.tensor(batch) for batch in batches], batch_size=None)
+
+
+@pytest.mark.parametrize("source", ["batch_sampler", "iterable", "map_unbatched"])
 @pytest.mark.parametrize("even_batches", [True, False])
 @pytest.mark.parametrize("batches", [B4, B5], ids=["4_batches", "5_batches"])
 def test_batches_of_unknown_size_are_dealt_whole(comm, batches, even_batches, source):
     acc = _fresh(even_batches=even_batches)
-    if source == "batch_sampler":
-        original = DataLoader(list(range(12)), batch_sampler=VariableBatches(batches))
-    else:  # an iterable dataset yielding whole batches
-        original = DataLoader(BatchStream(batches), batch_size=None)
-    loader = acc.prepare(original)
+    loader = acc.prepare(_unknown_size(source, batches))
     seen, flags = [], []
     for batch in loader:
         seen.append(batch.tolist())
@@ -223,15 +236,11 @@ def test_batches_of_unknown_size_are_dealt_whole(comm, batches, even_batches, so
     assert loader.total_batch_size is None and loader.batch_size is None
 
 
-@pytest.mark.parametrize("source", ["batch_sampler", "iterable"])
+@pytest.mark.parametrize("source", ["batch_sampler", "iterable", "map_unbatched"])
 def test_split_batches_needs_a_batch_size(comm, source):
     acc = _fresh(split_batches=True)
-    if source == "batch_sampler":
-        original = DataLoader(list(range(12)), batch_sampler=VariableBatches(B4))
-    else:
-        original = DataLoader(BatchStream(B4), batch_size=None)
     with pytest.raises(ConfigurationError, match="batch size") as error:
-        acc.prepare(original)
+        acc.prepare(_unknown_size(source, B4))
     assert "HINT: use split_batches=False" in str(error.value)
 
 
@@ -281,3 +290,136 @@ def test_random_sampler_with_replacement_keeps_its_num_samples(comm):
         epochs.append(draw)
     assert epochs[0] != epochs[1]  # a new draw each epoch...
     assert epochs[0] == epochs[2]  # ...and the same one for the same epoch
+
+
+def test_an_unbatched_loader_keeps_its_items_and_shuffles_them_alike(comm):
+    """DataLoader(batch_size=None) over a map-style dataset: items, not batches, as in torch (at
+    size 1 the loader's own items, as Accelerate gives them), dealt out as batches of no fixed
+    size are; shuffled, one draw on every rank."""
+    torch.manual_seed(1234 + comm.rank)  # each rank's own RNG differs: it must not matter
+    acc = _fresh()
+    plain = list(DataLoader(list(range(8)), batch_size=None))  # ints, as torch gives them
+    loader = acc.prepare(DataLoader(list(range(8)), batch_size=None))
+    items = list(loader)
+    shuffled = acc.prepare(DataLoader(list(range(8)), batch_size=None, shuffle=True))
+    draws = [comm.allgather(list(shuffled)) for _ in range(2)]  # before any assert: no rank
+    # may leave for an assertion while the others wait in the collective
+    expected = plain[comm.rank :: comm.size]
+    short = len(plain) % comm.size
+    if short and comm.rank >= short:  # even_batches: the last round ends with the first items
+        expected.append(plain[comm.rank - short])
+    assert items == expected
+    assert len(loader) == len(items)
+    for everyone in draws:
+        assert {v for mine in everyone for v in mine} == set(range(8))
+        assert {len(mine) for mine in everyone} == {len(expected)}  # even_batches
+    assert draws[0] != draws[1]  # a new draw each epoch
+
+
+@pytest.mark.parametrize("leave", ["peek", "break"])
+@pytest.mark.parametrize("source", ["shuffled", "iterable"])
+def test_a_pass_left_early_does_not_start_the_next_epoch(comm, leave, source):
+    """As in Accelerate, only a finished pass moves the loader to the next epoch: peeking at a
+    batch (next(iter(loader))) or leaving a pass with break, then iterating, gives the epoch's
+    order again, so the run goes on as it would have without the peek."""
+
+    def prepared():
+        acc = _fresh()
+        if source == "shuffled":
+            return acc.prepare(DataLoader(list(range(24)), batch_size=2, shuffle=True))
+        return acc.prepare(DataLoader(Stream(24), batch_size=2))
+
+    reference = prepared()
+    epochs = [_lists(reference), _lists(reference)]
+    assert epochs[0] != epochs[1]
+    loader = prepared()
+    if leave == "peek":
+        assert next(iter(loader)).tolist() == epochs[0][0]
+    else:
+        for batch in loader:
+            assert batch.tolist() == epochs[0][0]
+            break
+    assert loader.iteration == 0
+    assert [_lists(loader), _lists(loader)] == epochs
+
+
+def test_the_prepared_loader_answers_for_the_dataloaders_attributes(comm):
+    """Attributes a script reads from its DataLoader (num_workers, collate_fn, pin_memory, ...)
+    are there on the prepared one, as Accelerate's delegates them to the DataLoader inside."""
+    acc = _fresh()
+
+    def collate(samples):
+        return torch.tensor(samples)
+
+    original = DataLoader(
+        list(range(12)), batch_size=2, collate_fn=collate, timeout=5, in_order=False
+    )
+    loader = acc.prepare(original)
+    assert loader.collate_fn is collate
+    assert loader.in_order is False and loader.pin_memory_device == ""
+    assert loader.num_workers == 0 and loader.timeout == 5 and loader.pin_memory is False
+    assert loader.prefetch_factor is None and loader.persistent_workers is False
+    assert loader.worker_init_fn is None and loader.multiprocessing_context is None
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        loader.no_such_attribute  # noqa: B018
+
+
+def test_a_loader_resumed_with_skip_first_batches_counts_the_batches_it_will_give(comm):
+    """len() of a loader given to skip_first_batches is what the resumed pass gives, before and
+    during that pass (a script's `step == len(loader) - 1` test then finds its last step, as with
+    Accelerate's skipping loader); once the pass has run to its end the loader is whole again."""
+    acc = _fresh()
+    loader = acc.prepare(DataLoader(list(range(24)), batch_size=2))
+    whole = _lists(loader)
+    resumed = acc.skip_first_batches(loader, 2)
+    assert len(resumed) == len(whole) - 2
+    seen = []
+    for step, batch in enumerate(resumed):
+        seen.append(batch.tolist())
+        assert len(resumed) == len(whole) - 2
+        assert acc.gradient_state.end_of_dataloader == (step == len(resumed) - 1)
+    assert seen == whole[2:]
+    assert len(loader) == len(whole) and _lists(loader) == whole
+
+
+class Rows(Dataset):
+    """A dataset that reads a list of indices at once (as a Hugging Face dataset does)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, indices):
+        return torch.tensor(indices)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_batch_sampler_given_as_sampler_is_dealt_like_a_batch_sampler(comm, shuffle):
+    """DataLoader(dataset, sampler=BatchSampler(...), batch_size=None): the batches are dealt
+    as those of DataLoader(samples, batch_size, shuffle) are, in the same shuffled order."""
+    for length, batch_size in [(10, 2), (23, 4), (3, 4)]:
+        acc = _fresh()
+        inner = RandomSampler(range(length)) if shuffle else SequentialSampler(range(length))
+        sampler = BatchSampler(inner, batch_size, drop_last=False)
+        given = acc.prepare(DataLoader(Rows(length), sampler=sampler, batch_size=None))
+        listed = acc.prepare(DataLoader(list(range(length)), batch_size, shuffle=shuffle))
+        for _ in range(2):  # two epochs: reshuffled alike
+            assert _lists(given) == _lists(listed), (length, batch_size)
+        assert len(given) == len(listed)
+        assert given.remainder == listed.remainder
+        assert given.total_batch_size == listed.total_batch_size
+
+
+def test_a_shuffling_loader_still_has_a_random_sampler(comm):
+    """Scripts look at the sampler to know whether a loader shuffles: the one drawing the same
+    on every rank is still a RandomSampler, with its data source, replacement and num_samples."""
+    acc = _fresh()
+    loader = acc.prepare(DataLoader(list(range(12)), batch_size=2, shuffle=True))
+    for sampler in (loader.batch_sampler.sampler, loader.batch_sampler.batch_sampler.sampler):
+        assert isinstance(sampler, RandomSampler)
+        assert sampler.data_source == list(range(12)) and sampler.replacement is False
+        assert sampler.num_samples == len(sampler) == 12
+    plain = acc.prepare(DataLoader(list(range(12)), batch_size=2))
+    assert not isinstance(plain.batch_sampler.sampler, RandomSampler)
