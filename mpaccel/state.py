@@ -604,7 +604,10 @@ class GradientState:
         self.dataloader_references.append(dataloader)
 
     def _remove_dataloader(self, dataloader: Any) -> None:
-        self.dataloader_references.remove(dataloader)
+        # A pass left paused (a peek, a break) ends when its iterator is collected, which may
+        # be after the state was reset: then there is nothing to remove.
+        if dataloader in self.dataloader_references:
+            self.dataloader_references.remove(dataloader)
         self.active_dataloader = self.dataloader_references[-1]
 
     def __repr__(self) -> str:

@@ -5,7 +5,9 @@ the batch size: data-parallel training must end with the same parameters."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -661,3 +663,23 @@ def test_a_tracker_that_cannot_be_built_is_an_error_at_once(comm, tmp_path):
         events = EventAccumulator(writer.log_dir)
         events.Reload()
         assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5)]
+
+
+def test_a_paused_pass_collected_after_a_reset_leaves_the_new_state_alone(comm):
+    # A peeked pass ends only when its iterator is collected, possibly after reset_state: it
+    # raised ValueError from GradientState then (printed as an unraisable exception).
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2))
+    paused = iter(loader)
+    next(paused)
+    reset_state()
+    fresh = Accelerator(cpu=True)
+    seen = []
+    previous, sys.unraisablehook = sys.unraisablehook, seen.append
+    try:
+        del paused
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    assert seen == []
+    assert fresh.gradient_state.active_dataloader is None
