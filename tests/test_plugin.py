@@ -441,3 +441,187 @@ def test_watchdog_fires_once_and_ends_the_process_if_abort_returns(tmp_path):
     assert result.stdout.count("TIMEOUT: the test did not finish within 0.1 s") == 1, result
     assert result.stdout.count("abort(124) returned") == 1, result
     assert "main thread went on" not in result.stdout
+
+
+def test_mpi_tmp_path_gives_up_waiting_for_a_rank_that_skipped_before_it(tmp_path):
+    # mpi_tmp_path waits for rank 0 to create the directory: a rank that skipped in an earlier
+    # fixture never comes, and the wait must give up (as any mpaccel collective does), not hang.
+    run = _run_pytest(
+        tmp_path,
+        """
+        import pytest
+        from mpi4py import MPI
+        RANK = MPI.COMM_WORLD.Get_rank()
+
+        @pytest.fixture
+        def rank0_only():
+            if RANK != 0:
+                pytest.skip("only rank 0 has it")
+
+        def test_shared_after_skip(rank0_only, mpi_tmp_path):
+            pass
+
+        def test_still_works_after(mpi_tmp_path, state):
+            state.wait_for_everyone()
+    """,
+        2,
+        "--mpi-timeout=30",
+        timeout=120,
+    )
+    assert not run.timed_out, run.describe()
+    assert "TIMEOUT" not in "".join(run.stderr), run.describe()
+    assert run.returncodes == (1, 1), run.describe()
+    out = run.stdout[0]
+    assert "1 passed, 1 error" in _summary(out), run.describe()
+    assert "setup failed on rank(s) [0] of 2: they gave up waiting in a collective for" in out
+    assert run.elapsed < 60
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_keyboard_interrupt_on_one_rank_ends_every_rank(tmp_path, n):
+    run = _run_pytest(
+        tmp_path,
+        """
+        def test_interrupted(state):
+            if state.process_index == 1:
+                raise KeyboardInterrupt
+            state.wait_for_everyone()  # the others wait for rank 1 in a collective
+
+        def test_next():
+            pass
+    """,
+        n,
+        "--mpi-timeout=60",
+        timeout=120,
+    )
+    assert not run.timed_out, run.describe()
+    assert "TIMEOUT" not in "".join(run.stderr), run.describe()
+    assert run.returncodes == (2,) * n, run.describe()  # pytest's "interrupted", everywhere
+    out = run.stdout[0]
+    reason = "rank 1 was interrupted during test_throwaway.py::test_interrupted (call)"
+    assert f"{reason}: KeyboardInterrupt" in out, run.describe()
+    assert "test_next" not in out and "passed" not in _summary(out)
+    assert run.elapsed < 45
+
+
+def test_basetemp_option_is_private_to_each_rank(tmp_path):
+    # pytest empties a given --basetemp before using it: N ranks sharing one would race.
+    run = _run_pytest(
+        tmp_path,
+        """
+        import time
+        def test_private(tmp_path, comm):
+            (tmp_path / "mine").write_text(str(comm.rank))
+            assert len(set(comm.allgather(str(tmp_path)))) == comm.size
+            time.sleep(0.5)
+            assert (tmp_path / "mine").read_text() == str(comm.rank)
+
+        def test_shared(mpi_tmp_path, comm):
+            assert len(set(comm.allgather(str(mpi_tmp_path)))) == 1
+    """,
+        2,
+        f"--basetemp={tmp_path / 'given'}",
+        timeout=120,
+    )
+    assert run.returncode == 0, run.describe()
+    assert "2 passed" in _summary(run.stdout[0]), run.describe()
+    given = sorted(p.name for p in (tmp_path / "given").iterdir())
+    assert given == ["rank-0", "rank-1", "shared"]  # mpi_tmp_path's too, kept as pytest does
+    assert "temporary files kept" not in run.stderr[0], run.describe()
+
+
+@pytest.mark.parametrize("where", ["import", "configure", "configure-first"])
+def test_a_rank_that_cannot_start_stops_every_rank(tmp_path, where):
+    # A conftest.py that fails on one rank (a package missing on one node): that rank stops
+    # before the session, when the others are in the first collectives; they must not wait.
+    conftest = {
+        "import": "if RANK == 1:\n    import no_such_module_on_rank1\n",
+        "configure": (
+            "def pytest_configure(config):\n"
+            "    if RANK == 1:\n"
+            "        raise ImportError('no module named no_such_module_on_rank1')\n"
+        ),
+        "configure-first": (  # before mpaccel's own pytest_configure
+            "import pytest\n"
+            "@pytest.hookimpl(tryfirst=True)\n"
+            "def pytest_configure(config):\n"
+            "    if RANK == 1:\n"
+            "        raise ImportError('no module named no_such_module_on_rank1')\n"
+        ),
+    }[where]
+    header = "from mpaccel._env import rank_before_init\nRANK = rank_before_init()\n"
+    (tmp_path / "conftest.py").write_text(header + conftest)
+    run = _run_pytest(tmp_path, "def test_a():\n    pass\n", 2, "--mpi-timeout=30", timeout=120)
+    assert not run.timed_out, run.describe()
+    assert "TIMEOUT" not in "".join(run.stderr), run.describe()
+    assert run.returncodes[0] == 4, run.describe()  # rank 0: a usage error
+    assert run.returncodes[1] is not None and run.returncodes[1] != 0, run.describe()
+    text = run.stdout[0] + run.stderr[0]
+    assert "rank(s) [1] of 2 stopped before the tests started" in text, run.describe()
+    assert "no_such_module_on_rank1" in run.stdout[1] + run.stderr[1], run.describe()
+    assert "passed" not in run.stdout[0]
+    assert run.elapsed < 60
+
+
+def test_captured_output_of_a_failure_is_shown_once_and_tagged(tmp_path):
+    run = _run_pytest(
+        tmp_path,
+        """
+        def test_fails_on_every_rank(comm):
+            print(f"output of rank {comm.rank}")
+            assert False
+        def test_fails_on_rank_1(comm):
+            print(f"second test, rank {comm.rank}")
+            assert comm.rank != 1
+    """,
+        2,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.describe()
+    out = run.stdout[0]
+    # each failing rank's output is in its tagged part of the report, and nowhere else
+    for r in (0, 1):
+        assert out.count(f"output of rank {r}") == 1, run.describe()
+        assert f"[rank {r}] output of rank {r}" in out
+    assert out.count("second test, rank 1") == 1 and "[rank 1] second test, rank 1" in out
+    # rank 0 passed test_fails_on_rank_1: its output, if shown, says whose it is
+    assert "second test, rank 0" not in out or "Captured stdout call (rank 0)" in out, out
+
+
+def test_temporary_paths_on_another_node_than_rank_0s(tmp_path):
+    # Rank 1 in a mount namespace of its own, with an empty tmpfs over TMPDIR: its TMPDIR is
+    # private to it, as /tmp is to each node of a cluster.
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here: {probe.stderr!r}")
+    node_tmp = tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    (tmp_path / "test_nodes.py").write_text(
+        "def test_private(tmp_path):\n    (tmp_path / 'x').write_text('x')\n"
+        "def test_shared(mpi_tmp_path):\n    (mpi_tmp_path / 'y').write_text('y')\n"
+    )
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        pytest_args = ["-m", "pytest", "-p", "no:cacheprovider", "test_nodes.py", *args]
+        other_node = f"mount -t tmpfs none {node_tmp} && exec {sys.executable} "
+        other_node += " ".join(pytest_args)
+        return subprocess.run(
+            [str(Path(sys.prefix) / "bin" / "mpiexec"), "-n", "1", sys.executable, *pytest_args,
+             ":", "-n", "1", "unshare", "-m", "sh", "-c", other_node],
+            env=_env.child_environment({"TMPDIR": str(node_tmp)}), capture_output=True,
+            text=True, timeout=180, cwd=tmp_path,
+        )
+
+    # tmp_path works on every node; mpi_tmp_path says why it cannot and what to do
+    result = run()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 passed, 1 error" in _summary(result.stdout), result.stdout + result.stderr
+    assert "is not on a filesystem that every node shares" in result.stdout
+    assert "HINT: run with --basetemp=DIR" in result.stdout
+    # which is a --basetemp on a filesystem that every rank sees
+    result = run(f"--basetemp={tmp_path / 'shared-fs'}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in _summary(result.stdout), result.stdout + result.stderr
+    assert sorted(p.name for p in (tmp_path / "shared-fs").iterdir()) == [
+        "rank-0", "rank-1", "shared"
+    ]

@@ -26,7 +26,9 @@ class PhaseOutcome:
     reason: str | None  # the skip reason (skips only)
     secondary: bool  # failed only because it gave up waiting for a rank that failed
     alerted: bool  # this rank posted a failure alert during this phase
-    exit: tuple[str, int | None] | None  # pytest.exit(reason, returncode) called on this rank
+    # (what, reason, returncode): pytest.exit(reason, returncode) called on this rank, what
+    # being "called pytest.exit", or a KeyboardInterrupt, "was interrupted"
+    exit: tuple[str, str, int | None] | None
 
     @classmethod
     def of(
@@ -34,7 +36,7 @@ class PhaseOutcome:
         report: pytest.TestReport,
         secondary: bool,
         alerted: bool,
-        exit: tuple[str, int | None] | None,
+        exit: tuple[str, str, int | None] | None,
     ) -> PhaseOutcome:
         reason = None
         if report.skipped and isinstance(report.longrepr, tuple):
@@ -97,11 +99,19 @@ def combine(report: pytest.TestReport, outcomes: Sequence[PhaseOutcome], rank: i
         else:
             head = f"{when} failed on rank(s) {waiting} of {size} (each gave up waiting)"
         parts = [head]
-        for r in primary or waiting:
+        shown = primary or waiting
+        for r in shown:
             parts.append(f"{'=' * 20} rank {r} {'=' * 20}")
             parts.extend(f"[rank {r}] {line}" for line in (outcomes[r].text or "").splitlines())
         report.outcome = "failed"
         report.longrepr = "\n".join(parts)
+        # This rank's captured output: in the text above if it is shown there, else printed
+        # after it, where it must not pass for the failing rank's.
+        report.sections = [
+            (title if not title.startswith("Captured ") else f"{title} (rank {rank})", content)
+            for title, content in report.sections
+            if not (rank in shown and title.startswith("Captured "))
+        ]
         if hasattr(report, "wasxfail"):
             del report.wasxfail
         if note:
@@ -133,19 +143,23 @@ def combine(report: pytest.TestReport, outcomes: Sequence[PhaseOutcome], rank: i
 
 
 def exit_everywhere(
-    report: pytest.TestReport, exits: Mapping[int, tuple[str, int | None]]
+    report: pytest.TestReport, exits: Mapping[int, tuple[str, str, int | None]]
 ) -> BaseException:
-    """The Exit every rank raises when some ranks called pytest.exit: it names them, their
-    reasons, and carries the exit code of the lowest of them that gave one."""
+    """The Exit every rank raises when some ranks called pytest.exit (or were interrupted): it
+    names them, their reasons, and carries the exit code of the lowest of them that gave one."""
     ranks = sorted(exits)
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-    reasons = {exits[r][0] for r in ranks}
+    whats = {exits[r][0] for r in ranks}
+    what = whats.pop() if len(whats) == 1 else "called pytest.exit or were interrupted"
+    if len(ranks) > 1:
+        what = what.replace("was interrupted", "were interrupted")
+    reasons = {exits[r][1] for r in ranks}
     if len(reasons) == 1:
         detail = reasons.pop()
     else:
-        detail = "; ".join(f"rank {r}: {exits[r][0]}" for r in ranks)
-    reason = f"{who} called pytest.exit during {report.nodeid} ({report.when}): {detail}"
-    codes = [exits[r][1] for r in ranks if exits[r][1] is not None]
+        detail = "; ".join(f"rank {r}: {exits[r][1]}" for r in ranks)
+    reason = f"{who} {what} during {report.nodeid} ({report.when}): {detail}"
+    codes = [exits[r][2] for r in ranks if exits[r][2] is not None]
     return pytest.exit.Exception(reason, codes[0] if codes else None)
 
 

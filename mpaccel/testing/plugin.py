@@ -2,8 +2,9 @@
 
 Inert (no MPI_Init, no change to output) unless a launcher started more than one process. Under
 MPI it: runs mpaccel's discovery once, on every rank together, before any test (a launch
-mistake such as silent singletons stops the run); checks that every rank collected the same
-tests; combines each test phase's outcome over MPI (see `outcomes`); lets ranks stuck in an
+mistake such as silent singletons stops the run, as does a rank that cannot load its conftest
+files or configure); gives each rank a basetemp of its own; checks that every rank collected
+the same tests; combines each test phase's outcome over MPI (see `outcomes`); lets ranks stuck in an
 mpaccel collective give up when a peer fails, skips or calls pytest.exit; reports from rank 0
 only; aborts the job, naming the test and printing every rank's stack, when a test exceeds its
 timeout; and gives every rank the same exit code.
@@ -14,6 +15,7 @@ work in plain runs too, as a world of one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -22,7 +24,7 @@ import sys
 import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _pytest._io import TerminalWriter
@@ -32,8 +34,12 @@ from ..environments import detect_launcher
 from .outcomes import PhaseOutcome, collection_mismatch, combine, exit_everywhere
 from .watchdog import Watchdog
 
+if TYPE_CHECKING:
+    from ..discovery import Discovery
+
 DEFAULT_TIMEOUT = 300.0
 _KEY = pytest.StashKey["_MPISession"]()
+_CONFIGURED = pytest.StashKey[bool]()  # this plugin's pytest_configure ran
 _stderr_fd = 2  # the terminal's stderr, saved before pytest's fd capture replaces fd 2
 
 # What a rank does after a phase's outcome exchange: a watchdog report then says "test body"
@@ -46,7 +52,7 @@ def _world_size_from_launcher() -> int:
     return expected or 1
 
 
-def _discover_job() -> Any:
+def _discover_job() -> Discovery:
     """Collective over COMM_WORLD: mpaccel's discovery (state._discover), run at configure time.
 
     Discovery duplicates COMM_WORLD, a blocking collective that a waiting rank cannot abandon:
@@ -77,7 +83,7 @@ class _MPISession:
     """Everything the plugin keeps for one run under MPI; registered as a plugin of its own,
     for the hooks that only matter under MPI."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, job: Discovery) -> None:
         from mpi4py import MPI
 
         from ..comm import Alerts, MPIComm, install_alerts
@@ -89,16 +95,26 @@ class _MPISession:
         self.alerts = Alerts(self.world)
         install_alerts(self.alerts)
         self.watchdog = Watchdog(self.rank, self.size, self.world.Abort, _stderr_fd)
-        base = tempfile.mkdtemp(prefix="mpaccel-pytest-") if self.rank == 0 else None
+        # Where the ranks' basetemp dirs (rank-R) and mpi_tmp_path's (shared/) are: a given
+        # --basetemp (the way to a filesystem every node sees), else a new dir in rank 0's TMPDIR.
+        self.given_base = config.option.basetemp is not None
+        base = None
+        if self.rank == 0 and self.given_base:
+            base = os.path.abspath(config.option.basetemp)
+            shutil.rmtree(os.path.join(base, "shared"), ignore_errors=True)  # a previous run's
+        elif self.rank == 0:
+            base = tempfile.mkdtemp(prefix="mpaccel-pytest-")
         self.base = Path(self.comm.bcast(base, what="pytest temporary directory"))
         self.config = config
+        self.job = job  # mpaccel's discovery: its comm is the one tests use, interruptible
         self.collect_errors: dict[str, str] = {}
         self.notes: dict[tuple[str, str], None] = {}  # (nodeid, note), for the summary
         self._alerted = False  # this rank posted an alert during the current phase
-        self._exit: tuple[str, int | None] | None = None  # pytest.exit caught in this phase
+        self._exit: tuple[str, str, int | None] | None = None  # see PhaseOutcome.exit
         self._late_alerts: list[int] = []  # posted after the last exchange, drained at the next
         self._exit_alerts: list[int] = []  # ranks that called pytest.exit: drained at the end
         self._skip_body: tuple[str, str] | None = None  # (nodeid, reason): skipped here in setup
+        self._start_checked = False
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -164,19 +180,46 @@ class _MPISession:
             mpaccel_comm.resync()  # type: ignore[union-attr]
 
     def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:
-        """Around one phase: pytest.exit on this rank alone would leave the others waiting for
-        it in the outcome exchange. Catch it, tell the others at once, and let the exchange
-        end the run on every rank."""
+        """Around one phase: pytest.exit (or KeyboardInterrupt) on this rank alone would leave
+        the others waiting for it in the outcome exchange. Catch it, tell the others at once,
+        and let the exchange end the run on every rank."""
         try:
             yield
         except pytest.exit.Exception as exc:
-            self._exit = (str(exc.msg), exc.returncode)
+            self._exit = ("called pytest.exit", str(exc.msg), exc.returncode)
             self._post(f"rank {self.rank} called pytest.exit during {item.nodeid} ({when})")
+        except KeyboardInterrupt:
+            # Raised by the test, or a SIGINT sent to this rank alone: the same as pytest.exit
+            # (pytest's "interrupted" exit code), not a rank leaving the others behind.
+            self._exit = ("was interrupted", "KeyboardInterrupt", None)
+            self._post(f"rank {self.rank} was interrupted during {item.nodeid} ({when})")
+
+    def check_start(self, error: str | None) -> None:
+        """Collective, once: did every rank get as far as the session's start? A rank that
+        stopped before (a conftest.py that does not import there, a pytest_configure that
+        raised) says so, with `error`, instead of leaving the others waiting for it forever in
+        the collection check: they stop with a usage error, which rank 0 prints."""
+        if self._start_checked:
+            return
+        self._start_checked = True
+        errors = self.comm.allgather(error, what="pytest start check")
+        failed = {r: text for r, text in enumerate(errors) if text is not None}
+        if not failed or error is not None:
+            return
+        lines = [f"rank(s) {sorted(failed)} of {self.size} stopped before the tests started:"]
+        for r, text in failed.items():
+            lines.extend(f"[rank {r}] {line}" for line in text.splitlines())
+        lines.append(
+            "HINT: see that rank's own output; the usual cause is a package missing or failing "
+            "to import on some nodes or ranks."
+        )
+        raise pytest.UsageError(*(["\n".join(lines)] if self.rank == 0 else []))
 
     # -- hooks (registered under MPI only) -----------------------------------------------------
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.check_start(None)
         if self.rank == 0:
             return
         config = session.config
@@ -279,13 +322,21 @@ class _MPISession:
         from ..comm import install_alerts
 
         install_alerts(None)
-        status = getattr(config, "_mpaccel_exitstatus", 1)
+        # No-op where the session started; else this rank stopped in pytest_configure (or
+        # there was no session on any rank: --help, --markers).
+        self.check_start("stopped in pytest_configure (see this rank's output)")
+        status = getattr(config, "_mpaccel_exitstatus", 0)  # 0: no session, no files
+        clean = status == 0 and not self.given_base  # pytest keeps a given one, as ever
+        if clean:
+            shutil.rmtree(self.base / f"rank-{self.rank}", ignore_errors=True)
         self.comm.barrier("pytest cleanup")
-        if self.rank == 0:
-            if status == 0 and config.option.basetemp == str(self.base / "rank-0"):
-                shutil.rmtree(self.base, ignore_errors=True)
-            else:
-                os.write(2, f"mpaccel: per-rank temporary files kept in {self.base}\n".encode())
+        if clean and self.rank != 0:
+            with contextlib.suppress(OSError):
+                self.base.rmdir()  # this node's copy, when it is not rank 0's
+        elif clean:
+            shutil.rmtree(self.base, ignore_errors=True)
+        elif self.rank == 0 and not self.given_base:
+            os.write(2, f"mpaccel: per-rank temporary files kept in {self.base}\n".encode())
 
 
 def _session(config: pytest.Config) -> _MPISession | None:
@@ -310,9 +361,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> Iterator[None]:
     global _stderr_fd
-    if _world_size_from_launcher() > 1 and _stderr_fd == 2:
+    if _world_size_from_launcher() < 2:
+        return (yield)
+    if _stderr_fd == 2:
         _stderr_fd = os.dup(2)  # outermost wrapper: runs before capture starts
-    return (yield)
+    try:
+        return (yield)
+    except Exception as exc:
+        _stop_with_the_others(early_config, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _stop_with_the_others(config: pytest.Config, error: str) -> None:
+    """This rank cannot start (a conftest.py that fails to import here, a pytest_configure that
+    raised before ours): the others are on their way to discovery and the start check. Take
+    part in both, so that they stop too; pytest then reports the error here as usual."""
+    job = _discover_job()
+    if job.info.num_processes > 1:
+        session = _MPISession(config, job)
+        session.check_start(error)
+        session.pytest_unconfigure(config)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -322,19 +390,28 @@ def pytest_configure(config: pytest.Config) -> None:
         "mpi(min_size=None, max_size=None, size=None): run only at these world sizes",
     )
     config.addinivalue_line("markers", "mpi_timeout(seconds): per-test deadline under MPI")
+    config.stash[_CONFIGURED] = True
     if _world_size_from_launcher() < 2:
         return
-    if _discover_job().info.num_processes < 2:
+    job = _discover_job()
+    if job.info.num_processes < 2:
         return  # a world of one that MPACCEL_SKIP_LAUNCH_CHECKS lets through: a plain run
-    session = _MPISession(config)
+    session = _MPISession(config, job)
     config.stash[_KEY] = session
     config.pluginmanager.register(session, "mpaccel-mpi-session")
     if session.rank != 0 and getattr(config.option, "xmlpath", None):
         config.option.xmlpath = None  # one JUnit XML, from rank 0, with the combined outcomes
-    if config.option.basetemp is None:
-        # One private base per rank: pytest deletes and renumbers basetemp dirs, which N ranks
-        # doing at once in the same place would race on.
-        config.option.basetemp = str(session.base / f"rank-{session.rank}")
+    # One private basetemp per rank: pytest deletes and renumbers basetemp dirs (and empties a
+    # given --basetemp), which N ranks doing at once in the same place would race on. Each rank
+    # creates its parent: pytest does not, and on other nodes than rank 0's it may not exist.
+    session.base.mkdir(parents=True, exist_ok=True)
+    config.option.basetemp = str(session.base / f"rank-{session.rank}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _world_size_from_launcher() > 1 and not config.stash.get(_CONFIGURED, False):
+        # Another pytest_configure (a conftest's, tryfirst) raised on this rank before ours ran.
+        _stop_with_the_others(config, "stopped in pytest_configure (see this rank's output)")
 
 
 def _timeout_for(item: pytest.Item) -> float:
@@ -436,5 +513,13 @@ def mpi_tmp_path(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     path = mpi.base / "shared" / name
     if mpi.rank == 0:
         path.mkdir(parents=True, exist_ok=True)
-    mpi.comm.barrier("mpi_tmp_path")
+    # On mpaccel's communicator, not the plugin's: a rank that skipped or failed in an earlier
+    # fixture never comes, and its alert makes this wait give up instead of hanging the test.
+    mpi.job.comm.barrier("mpi_tmp_path")
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"mpi_tmp_path: rank 0 created {str(path)!r}, which rank {mpi.rank} does not see: "
+            f"{str(mpi.base)!r} is not on a filesystem that every node shares. HINT: run with "
+            "--basetemp=DIR, DIR on a shared filesystem (mpi_tmp_path is then DIR/shared/...)"
+        )
     return path
