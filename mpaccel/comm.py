@@ -82,6 +82,10 @@ class Alerts:
             if r != self.rank:
                 self._pending.append(self._comm.isend((self.rank, text), dest=r, tag=_TAG_ALERT))
 
+    def waiting(self) -> bool:
+        """Not collective: whether an alert has arrived (poll() would return it)."""
+        return bool(self._comm.Iprobe(self._MPI.ANY_SOURCE, _TAG_ALERT))
+
     def poll(self) -> tuple[int, str] | None:
         """Not collective: the next alert that arrived, if any."""
         status = self._MPI.Status()
@@ -341,7 +345,17 @@ class MPIComm:
         return self._seq
 
     def _wait(self, request: Any, what: str, timeout: float | None) -> None:
-        """Poll `request` to completion; on deadline, diagnose and raise on this rank."""
+        """Poll `request` to completion; on deadline, diagnose and raise on this rank. Anything
+        that ends the wait early (Ctrl-C too) leaves the request pending: the communicator is
+        then marked unusable rather than reused with a collective still in flight."""
+        try:
+            self._poll(request, what, timeout)
+        except BaseException as exc:
+            if self._broken is None:
+                self._broken = f"{what} was interrupted ({type(exc).__name__})"
+            raise
+
+    def _poll(self, request: Any, what: str, timeout: float | None) -> None:
         limit = self.default_timeout if timeout is None else float(timeout)
         start = time.monotonic()
         spin_until = start + self.spin_seconds
@@ -359,7 +373,9 @@ class MPIComm:
         pause = 2e-5
         while not test():
             self._answer_queries()
-            if _alerts is not None and self.interruptible:
+            if _alerts is not None and self.interruptible and _alerts.waiting():
+                if test():  # done after all: the alert is about a later collective
+                    break
                 self._check_alerts(what)
             now = time.monotonic()
             if now >= probe_at:

@@ -163,6 +163,44 @@ def test_ranks_in_collectives_that_cannot_match_fail_in_seconds(tmp_path):
         assert f"waits in {other}" in err or "waits in saving a model" in err, err
 
 
+def test_a_collective_left_by_ctrl_c_leaves_the_comm_refusing_clearly(tmp_path):
+    # A KeyboardInterrupt (here from a timer) inside a wait leaves that collective in flight;
+    # the next one restarted the same persistent request and died in MPI ("already active"),
+    # and the end-of-program barrier did so again at exit.
+    script = _script(
+        tmp_path,
+        """
+        import signal
+        from mpaccel import PartialState
+        from mpaccel.errors import MpaccelError
+        state = PartialState(cpu=True)
+        def stop(*args):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, stop)
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        try:
+            if state.process_index == 0:
+                state.wait_for_everyone()
+            else:
+                state.comm.allreduce(1, what="a sum")
+        except KeyboardInterrupt:
+            print("interrupted", state.comm.broken, flush=True)
+        try:
+            state.wait_for_everyone()
+        except MpaccelError as exc:
+            print(exc.message, flush=True)
+    """,
+    )
+    run = run_mpi([script], n=2, timeout=60).check()
+    for rank, what in enumerate(["wait_for_everyone", "a sum"]):
+        assert run.stdout[rank].splitlines() == [
+            "interrupted True",
+            "cannot run wait_for_everyone: the communicator is unusable since "
+            f"{what} was interrupted (KeyboardInterrupt)",
+        ], run.describe()
+    assert "already active" not in "".join(run.stderr)
+
+
 def test_an_error_an_extension_reports_and_ignores_does_not_end_the_job(tmp_path):
     # Cython's __dealloc__ (h5py closing a file, for one) reports errors it must ignore through
     # PyErr_PrintEx, which calls sys.excepthook while the program goes on: no abort for those.
