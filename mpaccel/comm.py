@@ -270,22 +270,34 @@ class MPIComm:
         self._persistent: dict[str, Any] = {}
         self._set_up_persistent()
         self.progress: ProgressThread | None = None
+        self._end: Any = None
         if self.probe_after is not None and self.size > 1:
+            self._end = comm.Dup()
             # after mpi4py's own exit hook was registered (it finalizes MPI): runs before it
             atexit.register(self._end_of_program)
 
     def _end_of_program(self) -> None:
-        """At exit, before MPI_Finalize: a barrier named "the end of the program", waited for
-        without a time limit (MPI_Finalize waits for every rank too). While a rank waits here
-        it answers where it is, so a rank stuck in a collective this one will never join
-        (`if is_main_process: save_model(...)` at the end of a script) learns it within
-        seconds (_check_divergence) instead of after the timeout."""
-        if self._broken is not None or self._MPI.Is_finalized():
+        """At exit, before MPI_Finalize: a barrier named "the end of the program". While a rank
+        waits here it answers where it is, so a rank stuck in a collective this one will never
+        join (`if is_main_process: save_model(...)` at the end of a script) learns it within
+        seconds (_check_divergence) instead of after the timeout. It runs on a communicator of
+        its own, so that it can never complete against a stray wait_for_everyone() on another
+        rank; a rank that never comes (it left with an error, or hangs outside mpaccel) ends
+        the job at the timeout rather than leaving it waiting in MPI_Finalize forever. A rank
+        whose communicator an abandoned collective left out of step comes too (that
+        communicator is not used here), but asks no one where they are: its collective
+        numbers no longer line up with the others'."""
+        if self._MPI.Is_finalized():
             return
+        what = "the end of the program"
+        if self._broken is not None:
+            self._broken, self.probe_after = None, None
         try:
-            self.barrier("the end of the program", timeout=math.inf)
-        except CollectiveMismatchError as exc:
-            print(f"[mpaccel rank {self.rank}] {exc}", file=sys.stderr, flush=True)
+            self._begin(what, "end-of-program barrier")
+            self._wait(self._end.Ibarrier(), what, None)
+        except (CollectiveMismatchError, CollectiveTimeoutError) as exc:
+            text = f"[mpaccel rank {self.rank}] {type(exc).__name__}: {exc}"
+            print(text, file=sys.stderr, flush=True)
             self.abort(1)
         except PeerFailedError:
             pass  # the pytest plugin reported it; the job is ending anyway
@@ -413,6 +425,8 @@ class MPIComm:
         a pending collective request cannot be cancelled."""
         self._comm = self._parent.Dup()
         self._diag = self._parent.Dup()
+        if self._end is not None:
+            self._end = self._parent.Dup()
         self._set_up_persistent()
         self._broken = None
         self._current = None

@@ -163,6 +163,55 @@ def test_ranks_in_collectives_that_cannot_match_fail_in_seconds(tmp_path):
         assert f"waits in {other}" in err or "waits in saving a model" in err, err
 
 
+def test_a_stray_barrier_on_one_rank_at_the_end_is_caught(tmp_path):
+    # `if is_main_process: wait_for_everyone()` as the last collective: the end-of-program
+    # barrier was a barrier too and matched it; rank 0 then waited forever in its own.
+    script = _script(
+        tmp_path,
+        """
+        from mpaccel import Accelerator
+        acc = Accelerator()
+        if acc.is_main_process:
+            acc.wait_for_everyone()
+        print("done", flush=True)
+    """,
+    )
+    run = run_mpi([script], n=2, timeout=90)
+    assert not run.timed_out and run.returncode != 0 and run.elapsed < 60, run.describe()
+    err = "".join(run.stderr)
+    assert "CollectiveMismatchError" in err and "the end of the program" in err, err
+
+
+@pytest.mark.parametrize("other", ["times out", "hangs"])
+def test_a_rank_that_fails_alone_does_not_hang_the_job(tmp_path, other):
+    # The abort on an uncaught exception turned off: rank 0 leaves with its error while rank 1
+    # waits in a collective and times out (both then meet at the end of the program), or hangs
+    # outside mpaccel (rank 0 then ends the job at the timeout). Rank 0 waited with no time
+    # limit at the end, and in the first case rank 1 skipped the end, its comm out of step.
+    script = _script(
+        tmp_path,
+        """
+        import sys, time
+        from mpaccel import PartialState
+        state = PartialState(cpu=True)
+        if state.process_index == 0:
+            raise RuntimeError("rank 0 fails alone")
+        if sys.argv[1] == "hangs":
+            time.sleep(600)
+        state.wait_for_everyone(timeout=3)
+    """,
+    )
+    env = {"MPACCEL_ABORT_ON_EXCEPTION": "0", "MPACCEL_TIMEOUT": "10"}
+    run = run_mpi([script, other.split()[-1]], n=2, timeout=90, env=env)
+    assert not run.timed_out and run.returncode != 0 and run.elapsed < 60, run.describe()
+    assert "RuntimeError: rank 0 fails alone" in run.stderr[0], run.describe()
+    if other == "hangs":
+        assert "CollectiveTimeoutError: the end of the program timed out" in run.stderr[0]
+    else:
+        assert "CollectiveTimeoutError: wait_for_everyone timed out" in run.stderr[1]
+        assert "the end of the program" not in run.stderr[0], run.describe()
+
+
 def test_a_collective_left_by_ctrl_c_leaves_the_comm_refusing_clearly(tmp_path):
     # A KeyboardInterrupt (here from a timer) inside a wait leaves that collective in flight;
     # the next one restarted the same persistent request and died in MPI ("already active"),
