@@ -137,7 +137,8 @@ def collect_env_facts() -> Facts:
     }
     discovery = None
     try:  # a malformed launcher variable is a launch problem to report, not a crash of the report
-        launcher = detect_launcher(env)
+        # with the library known, as discover() decides: another MPI's variables left over
+        launcher = detect_launcher(env, facts["mpi"].get("library"))
         facts["launcher"] = {"name": launcher.name, "expected": launcher.expected_world_size()}
         slurm = SlurmFacts.from_env(env)
         facts["slurm"] = dataclasses.asdict(slurm) if slurm.in_job else None
@@ -337,4 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         parser.print_help(sys.stderr)
         return 2
-    return run(args)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # `mpaccel ckpt ls DIR | head`: the reader has gone; stop quietly, as other tools do
+        # (stdout to /dev/null, so that flushing it at exit does not raise again).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

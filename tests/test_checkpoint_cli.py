@@ -78,3 +78,15 @@ def test_export_to_safetensors(saved, tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     run = _cli("ls", str(tmp_path))
     assert run.returncode == 1 and "holds no committed checkpoint" in run.stderr
+
+
+def test_ls_into_a_closed_pipe_stops_quietly(saved):
+    # `mpaccel ckpt ls DIR | head -1`: the reader goes away; a BrokenPipeError traceback then
+    # buried the listing's first lines.
+    root, _ = saved
+    proc = subprocess.Popen([sys.executable, "-m", "mpaccel", "ckpt", "ls", str(root / "state")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before anything is written: every write meets a closed pipe
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert stderr == ""

@@ -174,6 +174,17 @@ def test_env_under_mpiexec_prints_one_table_on_rank_zero():
 
 
 @pytest.mark.mpi(size=1)
+def test_env_names_the_launcher_of_the_library_not_a_leftover_one():
+    # An Open MPI variable left over in hydra's ranks: the report said "Open MPI mpirun, 4",
+    # while its own warning (and PartialState) said hydra started 2.
+    run = run_mpi(["-m", "mpaccel", "env"], n=2, timeout=120,
+                  env={"OMPI_COMM_WORLD_SIZE": "4"}).check()
+    launcher = run.stdout[0].split("launcher\n--------\n")[1].split("\n\n")[0]
+    assert "MPICH hydra mpiexec" in launcher and "Open MPI" not in launcher, launcher
+    assert launcher.splitlines()[1].split()[-1] == "2", launcher
+
+
+@pytest.mark.mpi(size=1)
 def test_launch_mistake_is_reported_with_exit_1():
     # The Open MPI launcher says 4 processes; mpi4py loads MPICH, which sees a world of 1.
     run = _python_m_mpaccel("env", extra_env={"OMPI_COMM_WORLD_SIZE": "4"})

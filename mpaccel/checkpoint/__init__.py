@@ -240,7 +240,8 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
             shared, per_rank = _snapshot(shared), _snapshot(per_rank)
     except Exception as exc:
         error = exc
-    comm.agree(error, f"saving checkpoint {directory or output_dir!r} (collecting the state)")
+    named = f"checkpoint {directory or output_dir!r}" if directory or output_dir else "a checkpoint"
+    comm.agree(error, f"saving {named} (collecting the state)")
 
     def write(comm: Any) -> None:
         write_checkpoint(
