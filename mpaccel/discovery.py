@@ -41,6 +41,8 @@ class Discovery:
     slurm: SlurmFacts
     hosts: tuple[str, ...]
     warnings: tuple[str, ...] = field(default=())
+    # this rank's fair share of the CPUs it may run on (see core_share); None: all of them
+    cpu_share: int | None = None
 
 
 def import_mpi() -> Any:
@@ -158,6 +160,15 @@ class _LaunchVariables:
         )
 
 
+def core_share(keys: Sequence[Any], cores: Sequence[frozenset[int]], rank: int) -> int:
+    """How many of `rank`'s CPUs are its own: each CPU it may use counts 1/k when k ranks of its
+    node may use it. Ranks bound to CPUs of their own (srun --cpu-bind, --cpus-per-task) keep
+    all of theirs; unbound ranks split the node's CPUs evenly. At least 1."""
+    mine = [r for r, key in enumerate(keys) if key == keys[rank]]
+    share = sum(1 / sum(cpu in cores[r] for r in mine) for cpu in cores[rank])
+    return max(1, int(share + 1e-9))
+
+
 def discover(
     default_timeout: float = 1800.0,
     env: _env.Snapshot | None = None,
@@ -245,6 +256,7 @@ def discover(
     if node_oversubscribed(keys, [g[3] for g in gathered], rank):
         mpi_comm.oversubscribed()
     info = layout_from_node_keys(keys, rank, host)
+    share = core_share(keys, [g[3] for g in gathered], rank)
     facts = [g[2] for g in gathered]
     if not skip and isinstance(launcher, SrunLauncher):
         infos = [layout_from_node_keys(keys, r, hosts[r]) for r in range(len(keys))]
@@ -252,7 +264,9 @@ def discover(
     names = {f.nodename for f in facts}
     nodes = None if None in names else len(names)
     notes += allocation_warnings(slurm, launcher, mpi_comm.size, nodes)
-    return Discovery(info, launcher, mpi_comm, library, version, slurm, hosts, tuple(notes))
+    return Discovery(
+        info, launcher, mpi_comm, library, version, slurm, hosts, tuple(notes), share
+    )
 
 
 def _named(

@@ -92,12 +92,13 @@ def _called_from_running_code() -> bool:
     return True
 
 
-def _limit_threads(info: ProcessInfo) -> None:
+def _limit_threads(found: Discovery) -> None:
     # N ranks on a node each running cores-many intra-op threads thrash; torchrun sets
-    # OMP_NUM_THREADS=1. Share the cores instead, unless the user chose.
-    if info.local_num_processes > 1 and _env.get("omp_num_threads") is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, (cores or 1) // info.local_num_processes))
+    # OMP_NUM_THREADS=1. Share the cores instead, unless the user chose: ranks bound to CPUs of
+    # their own keep them all, ranks that may all run anywhere split the node (discovery).
+    if found.info.local_num_processes > 1 and _env.get("omp_num_threads") is None:
+        if found.cpu_share is not None:
+            torch.set_num_threads(found.cpu_share)
 
 
 _PROCESS_GROUP_KEYS = {"backend", "init_method", "timeout"}
@@ -165,7 +166,7 @@ class PartialState:
             distributed_type = DistributedType.MULTI_GPU
         else:
             distributed_type = DistributedType.MULTI_CPU
-        _limit_threads(info)
+        _limit_threads(found)
         backend = distributed.init_process_group(
             found.comm, info, device, pg.backend, pg.init_method, timeout
         )

@@ -561,6 +561,42 @@ def test_node_oversubscribed(keys, cores, expected):
     assert [node_oversubscribed(keys, cores, r) for r in range(len(keys))] == expected
 
 
+def _cpus(first, count):
+    return frozenset(range(first, first + count))
+
+
+@pytest.mark.parametrize(
+    "keys, cores, expected",
+    [
+        # unbound ranks split their node: 4 on 16 CPUs, 4 on 2 CPUs (at least one thread)
+        (["a"] * 4, [_cpus(0, 16)] * 4, [4] * 4),
+        (["a"] * 4, [_cpus(0, 2)] * 4, [1] * 4),
+        # bound to 8 CPUs each (srun --cpus-per-task=8 --cpu-bind=cores): all 8 are theirs; the
+        # plain division by ranks per node gave 2
+        (["a"] * 4, [_cpus(8 * i, 8) for i in range(4)], [8] * 4),
+        # two nodes count apart
+        (["a", "a", "b"], [_cpus(0, 8)] * 3, [4, 4, 8]),
+        # overlapping: CPUs 0-3 shared by both, 4-7 rank 1's alone
+        (["a", "a"], [_cpus(0, 4), _cpus(0, 8)], [2, 6]),
+    ],
+)
+def test_core_share(keys, cores, expected):
+    from mpaccel.discovery import core_share
+
+    assert [core_share(keys, cores, r) for r in range(len(keys))] == expected
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_sharing_a_node_share_its_threads(state, comm):
+    import os
+
+    local = state.local_num_processes
+    if _env.get("omp_num_threads") is not None:
+        pytest.skip("OMP_NUM_THREADS is set: mpaccel leaves torch's thread count alone")
+    cores = len(os.sched_getaffinity(0))
+    assert torch.get_num_threads() == max(1, cores // local)
+
+
 # -- the rendezvous address (docs/launching.md, "torch.distributed, brokered over MPI") --------
 
 ONE_NODE = layout_from_node_keys(["a", "a"], 0, "node1")
