@@ -143,8 +143,10 @@ class DataLoaderShard:
         self.gradient_state = gradient_state
         self.non_blocking = non_blocking
         self.end_of_dataloader = False
-        self.iteration = 0
-        self._skip = 0
+        self.iteration = 0  # the epoch of the pass under way, or of the next one
+        self._started = False  # a pass of `iteration` has begun: the next pass moves on
+        self._skip = 0  # batches the next pass skips (skip_first_batches)
+        self._skipped = 0  # batches the pass under way skipped
         self.batches_yielded = 0
         length = self.total_dataset_length
         total = self.total_batch_size
@@ -153,7 +155,7 @@ class DataLoaderShard:
             self.remainder = length % total
 
     def __len__(self) -> int:
-        return len(self.base_dataloader) - self._skip
+        return len(self.base_dataloader) - (self._skip or self._skipped)
 
     def __getattr__(self, name: str) -> Any:
         # Anything else a script reads from its loader (num_workers, collate_fn, pin_memory...)
@@ -180,15 +182,16 @@ class DataLoaderShard:
             return None
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffle for `epoch` (same order on every rank); a dataset with `set_epoch` (an
-        iterable one, typically) is told the epoch too."""
-        self.iteration = epoch
+        """Make the next pass use `epoch`'s order (the same on every rank); a dataset with
+        `set_epoch` (an iterable one, typically) is told the epoch too."""
+        self.iteration = int(epoch)
+        self._started = False
+        self._tell_epoch()
+
+    def _tell_epoch(self) -> None:
         sampler = self._sampler()
         if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        self._announce_epoch()
-
-    def _announce_epoch(self) -> None:
+            sampler.set_epoch(self.iteration)
         # The loader's dataset: the user's map-style one, or the IterableDatasetShard (which
         # passes the epoch on to the user's iterable dataset).
         dataset = self.base_dataloader.dataset
@@ -200,16 +203,23 @@ class DataLoaderShard:
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Make the next pass start after its first `num_batches` batches (resuming); len()
-        counts the batches left until that pass has run to its end."""
+        counts the batches that pass gives until it has run to its end."""
         self._skip = int(num_batches)
 
     def __iter__(self) -> Iterator[Any]:
+        # Every pass is a new epoch, whether the last one ran to its end or was left early (a
+        # break after K steps, a peek): otherwise a loop that stops each epoch early would see
+        # the same batches every epoch. set_epoch() and load_state() say which epoch comes next.
+        if self._started:
+            self.iteration += 1
+        self._started = True
+        self._tell_epoch()
+        skip, self._skip = self._skip, 0
+        self._skipped = skip
         self.gradient_state._add_dataloader(self)
         self.end_of_dataloader = False
-        skip = self._skip
         self.batches_yielded = skip
         try:
-            self.set_epoch(self.iteration)
             iterator = iter(self.base_dataloader)
             for _ in range(skip):
                 next(iterator, None)
@@ -222,10 +232,7 @@ class DataLoaderShard:
                     current = _move(current, self.device, self.non_blocking)
                 yield current
             self.end_of_dataloader = True
-            # Only a pass that ran to its end moves on to the next epoch (as in Accelerate): after
-            # a peek or a break the next pass gives this epoch's order again, skip included.
-            self.iteration += 1
-            self._skip = 0
+            self._skipped = 0  # the resumed pass is over: len() counts whole passes again
         finally:
             self.gradient_state._remove_dataloader(self)
 

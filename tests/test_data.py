@@ -318,10 +318,10 @@ def test_an_unbatched_loader_keeps_its_items_and_shuffles_them_alike(comm):
 
 @pytest.mark.parametrize("leave", ["peek", "break"])
 @pytest.mark.parametrize("source", ["shuffled", "iterable"])
-def test_a_pass_left_early_does_not_start_the_next_epoch(comm, leave, source):
-    """As in Accelerate, only a finished pass moves the loader to the next epoch: peeking at a
-    batch (next(iter(loader))) or leaving a pass with break, then iterating, gives the epoch's
-    order again, so the run goes on as it would have without the peek."""
+def test_a_pass_left_early_still_moves_on_to_the_next_epoch(comm, leave, source):
+    """Every pass is a new epoch: a loop that leaves each epoch after K steps sees new batches
+    every epoch (as with Accelerate's default sampler, whose generator moves on), instead of the
+    same K batches again. set_epoch() chooses the epoch of the next pass."""
 
     def prepared():
         acc = _fresh()
@@ -330,8 +330,8 @@ def test_a_pass_left_early_does_not_start_the_next_epoch(comm, leave, source):
         return acc.prepare(DataLoader(Stream(24), batch_size=2))
 
     reference = prepared()
-    epochs = [_lists(reference), _lists(reference)]
-    assert epochs[0] != epochs[1]
+    epochs = [_lists(reference) for _ in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2]
     loader = prepared()
     if leave == "peek":
         assert next(iter(loader)).tolist() == epochs[0][0]
@@ -339,8 +339,21 @@ def test_a_pass_left_early_does_not_start_the_next_epoch(comm, leave, source):
         for batch in loader:
             assert batch.tolist() == epochs[0][0]
             break
-    assert loader.iteration == 0
-    assert [_lists(loader), _lists(loader)] == epochs
+    assert [_lists(loader), _lists(loader)] == epochs[1:]
+    loader.set_epoch(0)
+    assert _lists(loader) == epochs[0]
+
+
+def test_a_skip_asked_for_between_passes_applies_to_the_next_one(comm):
+    acc = _fresh()
+    loader = acc.prepare(DataLoader(list(range(24)), batch_size=2, shuffle=True))
+    reference = acc.prepare(DataLoader(list(range(24)), batch_size=2, shuffle=True))
+    epochs = [_lists(reference) for _ in range(3)]
+    assert _lists(loader) == epochs[0]
+    loader.skip_first_batches(2)
+    assert len(loader) == len(epochs[1]) - 2
+    assert _lists(loader) == epochs[1][2:]
+    assert len(loader) == len(epochs[2]) and _lists(loader) == epochs[2]
 
 
 def test_the_prepared_loader_answers_for_the_dataloaders_attributes(comm):

@@ -43,25 +43,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def dataloader_position(shard: Any) -> dict[str, Any]:
-    sampler = shard._sampler()
     mid_epoch = shard.gradient_state.active_dataloader is shard
     return {
         "iteration": shard.iteration,
+        "started": shard._started,
         "mid_epoch": mid_epoch,
         "batches_yielded": shard.batches_yielded if mid_epoch else 0,
         "total_batch_size": shard.total_batch_size,
-        "sampler_epoch": getattr(sampler, "epoch", None),
-        "sampler_started": getattr(sampler, "_started", None),
     }
 
 
 def restore_dataloader(shard: Any, position: dict[str, Any], saved_world: int, world: int) -> None:
     shard.iteration = position["iteration"]
-    sampler = shard._sampler()
-    if position.get("sampler_epoch") is not None and hasattr(sampler, "epoch"):
-        sampler.epoch = position["sampler_epoch"]
-        # Mid-epoch: the next pass must replay this epoch's order (minus what was seen).
-        sampler._started = bool(position["sampler_started"]) and not position["mid_epoch"]
+    # Between passes the next one moves on from the saved epoch; mid-epoch it replays the saved
+    # epoch (minus what was seen). Each pass gives its epoch to the sampler (the sampler's own
+    # epoch, which older checkpoints hold too, is not needed). Checkpoints without "started"
+    # saved the next pass's epoch.
+    shard._started = bool(position.get("started", False)) and not position["mid_epoch"]
     if not position["mid_epoch"]:
         return
     batches = position["batches_yielded"]
