@@ -138,8 +138,15 @@ class Comm(Protocol):
         self, obj: Any, root: int = 0, what: str = "bcast", timeout: float | None = None
     ) -> Any: ...
 
-    def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
-        """Raise the same CollectiveError on every rank if `error` is set on any rank."""
+    def agree(
+        self,
+        error: BaseException | None,
+        what: str,
+        timeout: float | None = None,
+        kind: type[CollectiveError] = CollectiveError,
+    ) -> None:
+        """Raise the same CollectiveError (or `kind`, a subclass) on every rank if `error` is
+        set on any rank."""
         ...
 
     def abort(self, code: int = 1) -> None:
@@ -179,9 +186,15 @@ class NullComm:
             raise ValueError(f"root {root} out of range for a world of size 1")
         return obj
 
-    def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
+    def agree(
+        self,
+        error: BaseException | None,
+        what: str,
+        timeout: float | None = None,
+        kind: type[CollectiveError] = CollectiveError,
+    ) -> None:
         if error is not None:
-            raise CollectiveError(what, {0: _failure_of(0, self.hosts[0], error)}) from error
+            raise kind(what, {0: _failure_of(0, self.hosts[0], error)}) from error
 
     def abort(self, code: int = 1) -> None:
         import os
@@ -571,7 +584,13 @@ class MPIComm:
         self._wait(self._comm.Ibcast(payload, root=root), what, timeout)
         return obj if self.rank == root else pickle.loads(payload.tobytes())  # type: ignore[union-attr]
 
-    def agree(self, error: BaseException | None, what: str, timeout: float | None = None) -> None:
+    def agree(
+        self,
+        error: BaseException | None,
+        what: str,
+        timeout: float | None = None,
+        kind: type[CollectiveError] = CollectiveError,
+    ) -> None:
         failed = self.allreduce(0 if error is None else 1, "max", what, timeout)
         if not failed:
             return
@@ -579,7 +598,7 @@ class MPIComm:
         mine = None if error is None else _failure_of(self.rank, host, error)
         reports = self.allgather(mine, what, timeout)
         failures = {r.rank: r for r in reports if r is not None}
-        raise CollectiveError(what, failures) from error
+        raise kind(what, failures) from error
 
     def abort(self, code: int = 1) -> None:
         self._MPI.COMM_WORLD.Abort(code)

@@ -14,7 +14,7 @@ import threading
 import warnings
 from typing import Any
 
-from .format import CheckpointError, flatten, parse_size, unflatten
+from .format import CheckpointCollectiveError, CheckpointError, flatten, parse_size, unflatten
 from .reader import CheckpointReader
 from .storage import write_checkpoint
 from .training_state import apply, collect, model_state, read_back
@@ -25,6 +25,7 @@ _CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)$")
 
 __all__ = [
     "AsyncSaver",
+    "CheckpointCollectiveError",
     "CheckpointError",
     "CheckpointReader",
     "checkpoints_in",
@@ -240,8 +241,9 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
             shared, per_rank = _snapshot(shared), _snapshot(per_rank)
     except Exception as exc:
         error = exc
-    named = f"checkpoint {directory or output_dir!r}" if directory or output_dir else "a checkpoint"
-    comm.agree(error, f"saving {named} (collecting the state)")
+    target = directory or output_dir
+    named = f"checkpoint {target!r}" if target else "a checkpoint"
+    comm.agree(error, f"saving {named} (collecting the state)", kind=CheckpointCollectiveError)
 
     def write(comm: Any) -> None:
         write_checkpoint(
@@ -298,7 +300,7 @@ def load_state(accelerator: Any, input_dir: str | None) -> str:
     except Exception as exc:
         error = exc
     what = f"loading checkpoint {directory or input_dir!r}"
-    comm.agree(error, what)
+    comm.agree(error, what, kind=CheckpointCollectiveError)
     with reader:
         # Everything is read and verified on every rank before anything else changes: a
         # corrupted tensor (found by the one rank of a node that verifies it) stops every rank
@@ -307,14 +309,14 @@ def load_state(accelerator: Any, input_dir: str | None) -> str:
             trees = read_back(accelerator, reader, comm.rank)
         except Exception as exc:
             error = exc
-        comm.agree(error, what)
+        comm.agree(error, what, kind=CheckpointCollectiveError)
         try:
             notes = apply(accelerator, trees, reader)
             if number is not None:
                 config.iteration = number + 1
         except Exception as exc:
             error = exc
-        comm.agree(error, what)
+        comm.agree(error, what, kind=CheckpointCollectiveError)
     if notes and accelerator.is_main_process:
         for note in notes:
             warnings.warn(note, RuntimeWarning, stacklevel=3)

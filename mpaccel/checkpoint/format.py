@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..errors import MpaccelError
+from ..errors import CollectiveError, MpaccelError
 from .rawio import byte_view
 
 FORMAT_NAME = "mpaccel-checkpoint"
@@ -27,6 +27,12 @@ FORMAT_VERSION = 1
 
 class CheckpointError(MpaccelError):
     """A checkpoint cannot be written, found, read or trusted; names the file and key."""
+
+
+class CheckpointCollectiveError(CollectiveError, CheckpointError):
+    """A save or load failed on one or more ranks: raised on every rank, naming each failing
+    rank's error (`.failures`). Both a CollectiveError and a CheckpointError, so that either
+    `except` catches it."""
 
 
 # torch dtypes numpy (and so HDF5) cannot hold: stored as same-width unsigned ints.

@@ -33,6 +33,7 @@ from . import rawio
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    CheckpointCollectiveError,
     CheckpointError,
     checksum,
     contiguous,
@@ -152,7 +153,7 @@ def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dic
                 "every rank must save the same model and optimizer: look for code that builds "
                 "or changes them depending on the rank.",
             )
-        comm.agree(error, what + " (comparing the ranks' states)")
+        comm.agree(error, what + " (comparing the ranks' states)", kind=CheckpointCollectiveError)
     if len({d[1] for d in digests}) > 1:
         documents_of = comm.allgather(documents, what=what)
         if comm.rank == 0:
@@ -266,7 +267,7 @@ def write_checkpoint(
         rank_docs, rank_arrays, rank_dtypes = _split(per_rank or {})
     except Exception as exc:
         error = exc
-    comm.agree(error, what + " (collecting the state)")
+    comm.agree(error, what + " (collecting the state)", kind=CheckpointCollectiveError)
     _check_same_on_every_rank(comm, what, documents, _layout(arrays, dtypes))
 
     save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
@@ -276,7 +277,7 @@ def write_checkpoint(
             _make_directory(directory)
         except Exception as exc:
             error = CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
-    comm.agree(error, what + " (creating the directory)")
+    comm.agree(error, what + " (creating the directory)", kind=CheckpointCollectiveError)
 
     shards = plan_shards([(k, a.nbytes) for k, a in arrays.items()], comm.size, max_shard_bytes)
     total = len(shards)
@@ -306,7 +307,7 @@ def write_checkpoint(
         # interpreter shutdown, where collecting them after HDF5 is torn down crashes.
         error = CheckpointError(f"rank {comm.rank} could not write {where!r}: {exc}")
     try:
-        comm.agree(error, what + " (writing shards)")
+        comm.agree(error, what + " (writing shards)", kind=CheckpointCollectiveError)
     except Exception:
         _remove(written)  # every rank drops its files of a save that will not be committed
         raise
@@ -347,7 +348,7 @@ def write_checkpoint(
             error.__cause__ = exc
     committed = comm.bcast(committed, what=what)
     try:
-        comm.agree(error, what + " (committing the index)")
+        comm.agree(error, what + " (committing the index)", kind=CheckpointCollectiveError)
     except Exception:
         if not committed:  # a save that will never be loaded: its files go
             _remove(written)
