@@ -295,9 +295,9 @@ class MPIComm:
         join (`if is_main_process: save_model(...)` at the end of a script) learns it within
         seconds (_check_divergence) instead of after the timeout. It runs on a communicator of
         its own, so that it can never complete against a stray wait_for_everyone() on another
-        rank; a rank that never comes (it left with an error, or hangs outside mpaccel) ends
-        the job at the timeout rather than leaving it waiting in MPI_Finalize forever. A rank
-        whose communicator an abandoned collective left out of step comes too (that
+        rank, and without a time limit: a rank still busy (rank 0 writing a report after
+        training) cannot be told from a hung one, and MPI_Finalize would wait for it anyway. A
+        rank whose communicator an abandoned collective left out of step comes too (that
         communicator is not used here), but asks no one where they are: its collective
         numbers no longer line up with the others'."""
         if self._MPI.Is_finalized():
@@ -307,8 +307,8 @@ class MPIComm:
             self._broken, self.probe_after = None, None
         try:
             self._begin(what, "end-of-program barrier")
-            self._wait(self._end.Ibarrier(), what, None)
-        except (CollectiveMismatchError, CollectiveTimeoutError) as exc:
+            self._wait(self._end.Ibarrier(), what, math.inf)
+        except CollectiveMismatchError as exc:
             text = f"[mpaccel rank {self.rank}] {type(exc).__name__}: {exc}"
             print(text, file=sys.stderr, flush=True)
             self.abort(1)
