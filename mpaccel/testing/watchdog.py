@@ -1,5 +1,5 @@
-"""The per-test deadline of the pytest plugin: a thread that prints where this rank is stuck and
-ends the whole job when a test runs past its limit."""
+"""The per-test deadline of the pytest plugin: how long a test may run (`timeout_for`), and a
+thread that prints where this rank is stuck and ends the whole job when a test runs past it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,37 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .. import _env
+
+if TYPE_CHECKING:
+    import pytest
 
 # What a timed-out job exits with, as timeout(1) does.
 TIMEOUT_EXIT_CODE = 124
+DEFAULT_TIMEOUT = 300.0
+
+
+def timeout_for(item: pytest.Item) -> float:
+    """The deadline of one test: its mpi_timeout marker's, else the run's."""
+    marker = item.get_closest_marker("mpi_timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return config_timeout(item.config)
+
+
+def config_timeout(config: pytest.Config) -> float:
+    """The run's deadline: --mpi-timeout, else the ini option mpi_timeout, else
+    MPACCEL_TEST_TIMEOUT, else DEFAULT_TIMEOUT."""
+    for value in (
+        config.getoption("--mpi-timeout"),
+        config.getini("mpi_timeout"),
+        _env.get_float("test_timeout"),
+    ):
+        if value not in (None, ""):
+            return float(value)
+    return DEFAULT_TIMEOUT
 
 
 class Watchdog:
