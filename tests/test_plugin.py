@@ -16,7 +16,7 @@ from mpaccel.testing import run_mpi
 pytestmark = pytest.mark.mpi(size=1)
 
 
-def _run_pytest(tmp_path, body: str, n: int, *args: str, timeout: float = 180):
+def _run_pytest(tmp_path, body: str, n: int, *args: str, timeout: float = 180, env=None):
     test_file = tmp_path / "test_throwaway.py"
     test_file.write_text(textwrap.dedent(body))
     return run_mpi(
@@ -24,6 +24,7 @@ def _run_pytest(tmp_path, body: str, n: int, *args: str, timeout: float = 180):
         n=n,
         timeout=timeout,
         cwd=tmp_path,
+        env=env,
     )
 
 
@@ -595,9 +596,17 @@ def test_captured_output_of_a_failure_is_shown_once_and_tagged(tmp_path):
     """,
         2,
         timeout=120,
+        env={"CI": "1"},  # where pytest shows a failure's whole message in the short summary
     )
     assert run.returncode == 1, run.describe()
-    out = run.stdout[0]
+    report, summary = run.stdout[0].split("short test summary info")
+    # the summary has one line per failure, the first line of the combined report
+    assert [line for line in summary.splitlines() if line.startswith("FAILED")] == [
+        "FAILED test_throwaway.py::test_fails_on_every_rank - call failed on rank(s) [0, 1] of 2",
+        "FAILED test_throwaway.py::test_fails_on_rank_1 - call failed on rank(s) [1] of 2",
+    ], summary
+    assert "[rank" not in summary, summary
+    out = report
     # each failing rank's output is in its tagged part of the report, and nowhere else
     for r in (0, 1):
         assert out.count(f"output of rank {r}") == 1, run.describe()

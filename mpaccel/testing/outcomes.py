@@ -15,6 +15,28 @@ import pytest
 
 
 @dataclass(frozen=True)
+class _Crash:
+    message: str
+
+
+class CombinedFailure:
+    """The failure report of a phase that failed on some ranks: every failing rank's report,
+    tagged. Its first line is the crash message, which is all the short test summary shows (a
+    plain string would be shown whole there on CI, where pytest does not trim it)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.reprcrash = _Crash(text.split("\n", 1)[0])
+
+    def toterminal(self, tw: object) -> None:
+        for line in self.text.splitlines():
+            tw.line(line)  # type: ignore[attr-defined]
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
 class PhaseOutcome:
     """One rank's outcome of one phase (setup, call, teardown) of one test, as exchanged."""
 
@@ -104,7 +126,7 @@ def combine(report: pytest.TestReport, outcomes: Sequence[PhaseOutcome], rank: i
             parts.append(f"{'=' * 20} rank {r} {'=' * 20}")
             parts.extend(f"[rank {r}] {line}" for line in (outcomes[r].text or "").splitlines())
         report.outcome = "failed"
-        report.longrepr = "\n".join(parts)
+        report.longrepr = CombinedFailure("\n".join(parts))  # type: ignore[assignment]
         # This rank's captured output: in the text above if it is shown there, else printed
         # after it, where it must not pass for the failing rank's.
         report.sections = [
