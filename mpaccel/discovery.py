@@ -41,8 +41,8 @@ class Discovery:
     slurm: SlurmFacts
     hosts: tuple[str, ...]
     warnings: tuple[str, ...] = field(default=())
-    # this rank's fair share of the CPUs it may run on (see core_share); None: all of them
-    cpu_share: int | None = None
+    # this rank's fair share of the CPUs it may run on (core_share; a process alone: unused)
+    cpu_share: int = 1
 
 
 def import_mpi() -> Any:

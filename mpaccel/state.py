@@ -97,8 +97,7 @@ def _limit_threads(found: Discovery) -> None:
     # OMP_NUM_THREADS=1. Share the cores instead, unless the user chose: ranks bound to CPUs of
     # their own keep them all, ranks that may all run anywhere split the node (discovery).
     if found.info.local_num_processes > 1 and _env.get("omp_num_threads") is None:
-        if found.cpu_share is not None:
-            torch.set_num_threads(found.cpu_share)
+        torch.set_num_threads(found.cpu_share)
 
 
 _PROCESS_GROUP_KEYS = {"backend", "init_method", "timeout"}

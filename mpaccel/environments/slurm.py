@@ -292,6 +292,13 @@ WHOLE_ALLOCATION_HINT = (
 )
 
 
+def _more_tasks_hint(world: int) -> str:
+    return (
+        f"HINT: ask Slurm for {world} tasks (`sbatch -n {world}` / `salloc -n {world}`), or omit "
+        "-n from mpiexec to start one rank per Slurm task."
+    )
+
+
 def allocation_warnings(
     facts: SlurmFacts, launcher: Launcher, world: int, nodes: int | None = None
 ) -> list[str]:
@@ -328,8 +335,7 @@ def allocation_warnings(
         has = f"has {count} tasks" if exact else f"asked for at most {count} tasks"
         out.append(
             f"{how}, but this Slurm job {has} ({source}): its CPUs (and GPUs) were allocated "
-            f"for fewer processes. HINT: ask Slurm for {world} tasks (`sbatch -n {world}` / "
-            f"`salloc -n {world}`), or omit -n from mpiexec to start one rank per Slurm task."
+            f"for fewer processes. {_more_tasks_hint(world)}"
         )
     elif cpus and world * per_task > cpus:
         need = f"{world} rank(s)"
@@ -338,7 +344,6 @@ def allocation_warnings(
         out.append(
             f"{how}, but this Slurm job holds {cpus} CPU(s) (SLURM_JOB_CPUS_PER_NODE: "
             f"{list(facts.job_cpus_per_node)} per node), fewer than {need}: the ranks share "
-            f"CPUs. HINT: ask Slurm for {world} tasks (`sbatch -n {world}` / `salloc -n "
-            f"{world}`), or omit -n from mpiexec to start one rank per Slurm task."
+            f"CPUs. {_more_tasks_hint(world)}"
         )
     return out
