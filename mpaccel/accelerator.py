@@ -424,7 +424,10 @@ class Accelerator:
     def prepare_data_loader(
         self, data_loader: DataLoader, device_placement: bool | None = None
     ) -> DataLoaderShard:
-        """Collective the first time (the shuffling seed is agreed over MPI)."""
+        """Collective the first time (the shuffling seed is agreed over MPI). A loader prepared
+        already is returned as it is."""
+        if type(data_loader) is DataLoaderShard:  # isinstance would say DataLoader too
+            return data_loader
         if self._data_seed is None:
             # Rank 0's seed for everyone: shuffles agree across ranks, and follow torch.manual_seed.
             self._data_seed = self._partial.comm.bcast(

@@ -164,6 +164,18 @@ class DataLoaderShard:
             raise AttributeError(name)
         return getattr(self.base_dataloader, name)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        # isinstance(loader, torch.utils.data.DataLoader) holds, as for Accelerate's prepared
+        # loaders: code that checks it (a trainer choosing its path) takes this for a DataLoader.
+        # type(loader) is still DataLoaderShard, and so is isinstance(loader, DataLoaderShard).
+        base = self.__dict__.get("base_dataloader")
+        return DataLoaderShard if base is None else type(base)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        # pickle's own way would check __class__ against the real class, and refuse.
+        return (_new_shard, (), self.__dict__)
+
     @property
     def total_batch_size(self) -> int | None:
         """Samples in one global round (None when the batch size is not known)."""
@@ -235,6 +247,11 @@ class DataLoaderShard:
             self._skipped = 0  # the resumed pass is over: len() counts whole passes again
         finally:
             self.gradient_state._remove_dataloader(self)
+
+
+def _new_shard() -> DataLoaderShard:
+    """An empty DataLoaderShard, for unpickling (its __dict__ comes after)."""
+    return DataLoaderShard.__new__(DataLoaderShard)
 
 
 _COPIED = (

@@ -377,6 +377,24 @@ def test_the_prepared_loader_answers_for_the_dataloaders_attributes(comm):
         loader.no_such_attribute  # noqa: B018
 
 
+def test_the_prepared_loader_passes_for_a_dataloader_and_is_prepared_once(comm):
+    """isinstance(loader, DataLoader) holds (code that checks it takes the prepared loader as
+    Accelerate's), preparing it again returns it as it is, and it pickles."""
+    import pickle
+
+    from mpaccel.data import DataLoaderShard
+
+    acc = _fresh()
+    loader = acc.prepare(DataLoader(list(range(10 * comm.size)), batch_size=3, shuffle=True))
+    assert isinstance(loader, DataLoader) and isinstance(loader, DataLoaderShard)
+    assert type(loader) is DataLoaderShard
+    assert acc.prepare(loader) is loader and acc.prepare_data_loader(loader) is loader
+    assert len(acc._dataloaders) == 1
+    copied = pickle.loads(pickle.dumps(loader))
+    assert type(copied) is DataLoaderShard and isinstance(copied, DataLoader)
+    assert _lists(copied) == _lists(loader) and len(copied) == len(loader)
+
+
 def test_a_loader_resumed_with_skip_first_batches_counts_the_batches_it_will_give(comm):
     """len() of a loader given to skip_first_batches is what the resumed pass gives, before and
     during that pass (a script's `step == len(loader) - 1` test then finds its last step, as with
