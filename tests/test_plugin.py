@@ -107,6 +107,32 @@ def test_deadlock_hits_the_timeout_and_ends_the_job(tmp_path, n):
     assert run.elapsed < 60
 
 
+def test_a_hang_while_collecting_hits_the_timeout_and_ends_the_job(tmp_path):
+    """A test module that never finishes importing on one rank: the others wait for it in the
+    collection check; the run's deadline ends the job with every rank's stack."""
+    run = _run_pytest(
+        tmp_path,
+        """
+        import time
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 1:
+            time.sleep(3600)
+        def test_a():
+            pass
+    """,
+        2,
+        "--mpi-timeout=5",
+        timeout=120,
+    )
+    assert not run.timed_out, run.describe()
+    assert run.returncode != 0
+    err = "".join(run.stderr)
+    assert "TIMEOUT: collecting the tests did not finish within 5 s" in err, err
+    assert "[mpaccel-pytest rank 1/2] TIMEOUT" in err and "time.sleep(3600)" in err
+    assert "(phase: collection check (waiting for the other ranks))" in err  # rank 0
+    assert run.elapsed < 60
+
+
 def test_size_markers_and_shared_tmp_path(tmp_path):
     run = _run_pytest(
         tmp_path,

@@ -204,11 +204,24 @@ class MPISession:
         if cache is not None:
             cache.set = lambda key, value: None  # rank 0 alone writes .pytest_cache
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection(self, session: pytest.Session) -> Iterator[Any]:
+        # Collecting imports the test modules and conftests: one that hangs on some ranks (a
+        # collective at import time that not every rank reaches, a stuck file system) ends the
+        # job at the run's deadline too, with every rank's stack, instead of waiting forever.
+        self.watchdog.arm("collecting the tests", config_timeout(self.config))
+        self.watchdog.phase("importing test modules")
+        try:
+            return (yield)
+        finally:
+            self.watchdog.disarm()
+
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
             self.collect_errors[report.nodeid] = str(report.longrepr)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.watchdog.phase("collection check (waiting for the other ranks)")
         ids = [item.nodeid for item in session.items]
         errors = sorted(self.collect_errors)
         digest = hashlib.sha256("\n".join([*ids, "-- errors --", *errors]).encode()).hexdigest()
