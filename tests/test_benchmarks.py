@@ -23,3 +23,30 @@ def test_checkpoint_benchmark_runs(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "mpaccel phases" in run.stdout and "cold (total" in run.stdout, run.stdout
+
+
+def test_control_plane_benchmark_runs():
+    from mpaccel.testing import run_mpi
+
+    run = run_mpi(
+        [str(ROOT / "benchmarks" / "control_plane.py"), "--iters", "20", "--warmup", "2",
+         "--mpi-only"],
+        n=2, timeout=180,
+    )
+    assert not run.timed_out and run.returncode == 0, run.describe()
+    out = run.stdout[0]
+    assert "mpaccel wait_for_everyone" in out and "MPI Barrier" in out, run.describe()
+    assert "mpaccel check_trigger / MPI allreduce(int)" in out, run.describe()
+
+
+def test_training_benchmark_runs():
+    # The driver starts its own mpiexec job (the one beside this python); Accelerate is skipped.
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "training.py"), "--n", "2", "--repeats", "1",
+         "--accelerate-python", "", "--steps", "2", "--rounds", "1", "--warmup", "1",
+         "--rewarm", "0", "--samples", "512", "--wait-idle", "0", "--job-timeout", "120"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| mpaccel | mpaccel |" in run.stdout and "| raw DDP | mpaccel |" in run.stdout
+    assert "mpaccel / raw DDP (paired windows)" in run.stdout, run.stdout
