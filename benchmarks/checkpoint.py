@@ -22,7 +22,9 @@ params + exp_avg + exp_avg_sq = 3x the parameters (1.5 GiB by default). Then, ro
   numpy         rank 0 only: ndarray.tofile of every tensor into one file + fsync / readinto
   dd            rank 0 only, the disk limit: dd if=/dev/zero bs=64M conv=fdatasync of the same
                 byte count / dd of=/dev/null. At n > 1 also "dd x n": n dd readers of the
-                file at once (cold), the disk plus one private copy per process.
+                file at once, cold (the disk plus one private copy per process) and warm (the
+                copies alone: a load at n ranks takes at least as long as they do, which caps
+                its ratio to the disk; the table prints that cap round by round).
 While rank 0 alone measures something, the other ranks wait, untimed, in a sleeping barrier
 (MPICH's blocking collectives busy-poll and would steal a core from rank 0 at n=4 on 2 cores).
 After a peer's load, untimed, the optimizer gets its own state tensors back (a safetensors load
@@ -74,8 +76,8 @@ from typing import Any
 GIB = 2**30
 METHODS = ["mpaccel", "torch", "safetensors", "numpy", "dd"]
 # save; loads from the page cache (warm) and from the disk (cold); for peers also the file part
-# of their loads (warm_file, cold_file); for dd at n > 1, n readers at once (cold_n)
-KINDS = ["save", "warm", "cold", "warm_file", "cold_file", "cold_n"]
+# of their loads (warm_file, cold_file); for dd at n > 1, n readers at once (warm_n, cold_n)
+KINDS = ["save", "warm", "cold", "warm_file", "cold_file", "warm_n", "cold_n"]
 PEERS = ("torch", "safetensors")
 
 
@@ -518,11 +520,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             scale = nbytes / (count * 64 * 2**20)
             save = timed(lambda: dd_write(path, count), False, own_clock=True) * scale
             warm = timed(lambda: dd_read(path), False, own_clock=True) * scale
+            if world.size > 1:
+                many = lambda: dd_read_many(path, world.size)  # noqa: E731
+                extra["warm_n"] = timed(many, False, own_clock=True) * scale
             cold = nan
             if can_drop:
                 cold = timed(lambda: dd_read(path), False, cold=True, own_clock=True) * scale
                 if world.size > 1:
-                    many = lambda: dd_read_many(path, world.size)  # noqa: E731
                     extra["cold_n"] = timed(many, False, cold=True, own_clock=True) * scale
         elif method == "numpy":
             save = timed(lambda: np_save(flat, path), everyone=False)
@@ -730,6 +734,25 @@ def print_table(report: dict[str, Any]) -> None:
         print(
             f"dd x {report['ranks']} (that many readers at once, cold): {cell('dd', 'cold_n')} "
             f"GiB/s; mpaccel cold load / that: {med['mpaccel']['cold'] / med['dd']['cold_n']:.2f}"
+        )
+    if rates["dd"]["warm_n"]:
+        # n private copies of the state cost this much with no disk at all; a load at n ranks
+        # must make them, so at best it takes max(disk, copies): the ceiling of "x disk".
+        seconds = report["seconds"]["dd"]
+        ceilings = [
+            min(1.0, cold / copies)
+            for cold, copies in zip(seconds["cold"], seconds["warm_n"])
+            if not (math.isnan(cold) or math.isnan(copies))
+        ]
+        ceiling = (
+            f"\n  so cold load / disk is at most (dd cold / dd x n warm, round by round): "
+            f"{statistics.median(ceilings):.2f} [{min(ceilings):.2f}-{max(ceilings):.2f}]"
+            if ceilings
+            else ""
+        )
+        print(
+            f"dd x {report['ranks']} warm (that many private copies from the page cache, no "
+            f"disk): {cell('dd', 'warm_n')} GiB/s{ceiling}"
         )
     steal = [f"{100 * v:.1f}%" if v is not None else "?" for v in report.get("steal_per_round", [])]
     if steal:

@@ -16,13 +16,29 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_checkpoint_benchmark_runs(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), "--param-gib", "0.002",
-         "--layers", "1", "--rounds", "1", "--warmup", "0", "--methods", "mpaccel,dd",
+        [sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), *_TINY_CHECKPOINT,
          "--dir", str(tmp_path / "scratch")],
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "mpaccel phases" in run.stdout and "cold (total" in run.stdout, run.stdout
+
+
+_TINY_CHECKPOINT = ["--param-gib", "0.002", "--layers", "1", "--rounds", "1", "--warmup", "0",
+                    "--methods", "mpaccel,dd"]
+
+
+def test_checkpoint_benchmark_runs_on_two_ranks(tmp_path):
+    from mpaccel.testing import run_mpi
+
+    run = run_mpi(
+        [str(ROOT / "benchmarks" / "checkpoint.py"), *_TINY_CHECKPOINT,
+         "--dir", str(tmp_path / "scratch")],
+        n=2, timeout=300,
+    )
+    assert not run.timed_out and run.returncode == 0, run.describe()
+    out = run.stdout[0]
+    assert "mpaccel phases" in out and "dd x 2 warm" in out, run.describe()
 
 
 def test_control_plane_benchmark_runs():
