@@ -609,6 +609,22 @@ def test_information_options_print_once(tmp_path, option, expected):
     assert run.stdout[1] == "", run.describe()
 
 
+@pytest.mark.parametrize("option", ["--help", "--version"])
+def test_help_with_a_conftest_failing_on_one_rank(tmp_path, option):
+    """pytest lets a conftest.py that fails to import pass for --help and --version (a warning):
+    the rank where it fails goes on like the others, and so does the job (it hung in --help)."""
+    (tmp_path / "conftest.py").write_text(
+        "from mpaccel._env import rank_before_init\n"
+        "if rank_before_init() == 1:\n"
+        "    import no_such_module_on_rank1\n"
+    )
+    run = _run_pytest(tmp_path, "def test_a():\n    pass\n", 2, option, timeout=90)
+    assert not run.timed_out, run.describe()
+    assert run.returncodes == (0, 0), run.describe()
+    if option == "--help":
+        assert "--mpi-timeout" in run.stdout[0] and run.stdout[1] == "", run.describe()
+
+
 def test_captured_output_of_a_failure_is_shown_once_and_tagged(tmp_path):
     run = _run_pytest(
         tmp_path,

@@ -120,7 +120,11 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> Iterator[None]
     try:
         return (yield)
     except Exception as exc:
-        _stop_with_the_others(early_config, f"{type(exc).__name__}: {exc}")
+        options = early_config.known_args_namespace
+        if not (getattr(options, "help", False) or getattr(options, "version", False)):
+            _stop_with_the_others(early_config, f"{type(exc).__name__}: {exc}")
+        # else pytest lets a conftest that fails to import pass (a warning) for --help and
+        # --version: this rank goes on like the others, and must not stop them.
         raise
 
 
