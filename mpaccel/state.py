@@ -605,10 +605,13 @@ class GradientState:
 
     def _remove_dataloader(self, dataloader: Any) -> None:
         # A pass left paused (a peek, a break) ends when its iterator is collected, which may
-        # be after the state was reset: then there is nothing to remove.
-        if dataloader in self.dataloader_references:
-            self.dataloader_references.remove(dataloader)
-        self.active_dataloader = self.dataloader_references[-1]
+        # be after the state was reset (and not set up again yet): then there is nothing to do.
+        references = self.__dict__.get("dataloader_references")
+        if references is None:
+            return
+        if dataloader in references:
+            references.remove(dataloader)
+        self.active_dataloader = references[-1]
 
     def __repr__(self) -> str:
         return (
