@@ -232,9 +232,18 @@ class DataLoaderShard:
         self.end_of_dataloader = False
         self.batches_yielded = skip
         try:
-            iterator = iter(self.base_dataloader)
-            for _ in range(skip):
-                next(iterator, None)
+            if isinstance(self.sharding, ShardedBatchSampler):
+                # Left out as index lists by the sampler: no sample of theirs is loaded.
+                self.sharding.skip_next = skip
+                try:
+                    iterator = iter(self.base_dataloader)
+                finally:
+                    self.sharding.skip_next = 0
+            else:
+                # A stream: its samples are read to get past them, and dropped.
+                iterator = iter(self.base_dataloader)
+                for _ in range(skip):
+                    next(iterator, None)
             upcoming = next(iterator, _END)
             while upcoming is not _END:
                 current, upcoming = upcoming, next(iterator, _END)

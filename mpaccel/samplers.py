@@ -11,6 +11,7 @@ its stream the same way (both are _Shares).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
@@ -157,6 +158,7 @@ class ShardedBatchSampler(_Shares, Sampler[list[int]]):
             bool(getattr(batch_sampler, "drop_last", False)),
         )
         self.batch_sampler = batch_sampler
+        self.skip_next = 0  # batches a pass leaves out (set by the loader for one pass)
 
     @property
     def sampler(self) -> Any:
@@ -180,9 +182,15 @@ class ShardedBatchSampler(_Shares, Sampler[list[int]]):
             yield current
 
     def __iter__(self) -> Iterator[list[int]]:
+        """This rank's batches of one pass; the first `skip_next` of them are left out here, as
+        index lists, so that a resumed pass loads none of their samples. (torch may ask for
+        the iterator twice as a pass starts, with workers: the loader resets skip_next after.)"""
+        skip = self.skip_next
         if self.batch_size is None:
-            return self._whole_batches()
-        return self._sized_batches(self.batch_size)
+            batches = self._whole_batches()
+        else:
+            batches = self._sized_batches(self.batch_size)
+        return itertools.islice(batches, skip, None) if skip else batches
 
     def _whole_batches(self) -> Iterator[list[int]]:
         n, r = self.num_processes, self.process_index

@@ -30,6 +30,10 @@ def _lists(loader) -> list:
     return [batch.tolist() for batch in loader]
 
 
+def _items(loader) -> list:
+    return [item.tolist() if isinstance(item, torch.Tensor) else item for item in loader]
+
+
 class Stream(IterableDataset):
     """range(n) as a stream, in an order that follows set_epoch (identity at epoch 0)."""
 
@@ -264,6 +268,51 @@ def test_resume_mid_epoch(comm, mpi_tmp_path, source):
     acc, loader = prepared()
     acc.load_state(mpi_tmp_path / "ckpt")
     assert _lists(loader) == whole_epoch[1:]
+
+
+class Counting(torch.utils.data.Dataset):
+    """range(n), counting the samples loaded (in this process and in its loader's workers)."""
+
+    def __init__(self, n: int) -> None:
+        import multiprocessing
+
+        self.n = n
+        self.loaded = multiprocessing.get_context("fork").Value("i", 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        with self.loaded.get_lock():
+            self.loaded.value += 1
+        return index
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_a_resumed_pass_loads_none_of_the_samples_it_skips(comm, workers, unbatched):
+    """Resuming at batch K of an epoch of a map-style dataset loads only the batches after K
+    (as Accelerate's skip at the batch sampler does): a resume deep into an epoch of costly
+    samples must not read them all first. With loader workers too."""
+    dataset = Counting(12 * comm.size)
+    options = {"batch_size": None} if unbatched else {"batch_size": 2}
+    context = "fork" if workers else None
+    acc = _fresh()
+    loader = acc.prepare(
+        DataLoader(dataset, shuffle=True, num_workers=workers, multiprocessing_context=context,
+                   **options)
+    )
+    loader.set_epoch(3)
+    whole = _items(loader)
+    per_batch = 1 if unbatched else 2
+    assert dataset.loaded.value == len(whole) * per_batch
+    dataset.loaded.value = 0
+    loader.set_epoch(3)
+    loader.skip_first_batches(4)
+    assert _items(loader) == whole[4:]
+    assert dataset.loaded.value == (len(whole) - 4) * per_batch
+    dataset.loaded.value = 0
+    assert _items(loader) != whole and dataset.loaded.value == len(whole) * per_batch
 
 
 def test_random_sampler_with_replacement_keeps_its_num_samples(comm):
