@@ -7,6 +7,7 @@ first `PartialState()` / `Accelerator()`.
 __version__ = "0.1.0"
 
 from .accelerator import Accelerator
+from .data import skip_first_batches
 from .environments import ProcessInfo
 from .errors import (
     CollectiveError,
@@ -43,4 +44,5 @@ __all__ = [
     "ProcessInfo",
     "ProjectConfiguration",
     "__version__",
+    "skip_first_batches",
 ]

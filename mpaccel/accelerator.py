@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint, distributed, ops, tracking
 from . import slurm as slurm_support
-from .data import DataLoaderShard, prepare_data_loader
+from .data import DataLoaderShard, prepare_data_loader, skip_first_batches
 from .errors import ConfigurationError
 from .state import AcceleratorState, GradientState, PartialState
 from .training import (
@@ -448,10 +448,10 @@ class Accelerator:
         self._dataloaders.append(shard)
         return shard
 
-    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> Any:
-        """The same dataloader, whose next pass starts after `num_batches` batches."""
-        dataloader.skip_first_batches(num_batches)
-        return dataloader
+    def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> Any:
+        """A prepared loader: the same one, whose next pass starts after `num_batches` batches.
+        Any other DataLoader: a new one that leaves them out on every pass (as Accelerate's)."""
+        return skip_first_batches(dataloader, num_batches)
 
     # -- the training step -----------------------------------------------------------------------
 

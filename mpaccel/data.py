@@ -5,11 +5,12 @@ gather_for_metrics relies on (`remainder`: how many samples of the last round ar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from .samplers import (
     SeedableRandomSampler,
@@ -27,8 +28,11 @@ __all__ = [
     "IterableDatasetShard",
     "SeedableRandomSampler",
     "ShardedBatchSampler",
+    "SkipBatchSampler",
+    "SkipDataLoader",
     "SynchronizedSampler",
     "prepare_data_loader",
+    "skip_first_batches",
 ]
 
 
@@ -263,6 +267,70 @@ def _new_shard() -> DataLoaderShard:
     return DataLoaderShard.__new__(DataLoaderShard)
 
 
+class SkipBatchSampler(Sampler[list[Any]]):
+    """The batches of `batch_sampler` after its first `skip_batches`, on every pass (or the
+    items of a sampler, for a loader with batch_size=None)."""
+
+    def __init__(self, batch_sampler: Iterable[list[Any]], skip_batches: int = 0) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip_batches = int(skip_batches)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return itertools.islice(iter(self.batch_sampler), self.skip_batches, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.skip_batches)  # type: ignore[arg-type]
+
+
+class SkipDataLoader(DataLoader):
+    """A DataLoader that leaves out its first `skip_batches` batches on every pass (they are
+    loaded, then dropped: for loaders whose batches have no batch sampler to skip in)."""
+
+    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.skip_batches = int(skip_batches)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return itertools.islice(super().__iter__(), self.skip_batches, None)
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.skip_batches)
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A prepared loader: the same one, whose next pass starts after `num_batches` batches
+    (DataLoaderShard.skip_first_batches). Any other: a new loader that leaves them out on every
+    pass, as Accelerate's does. A map-style dataset's skipped batches are not loaded."""
+    if type(dataloader) is DataLoaderShard:  # isinstance would say DataLoader too
+        dataloader.skip_first_batches(num_batches)
+        return dataloader
+    kwargs = _loader_options(dataloader)
+    kwargs["generator"] = dataloader.generator
+    dataset = dataloader.dataset
+    if not isinstance(dataset, IterableDataset) and dataloader.batch_sampler is not None:
+        batches = SkipBatchSampler(dataloader.batch_sampler, num_batches)
+        return DataLoader(dataset, batch_sampler=batches, **kwargs)
+    if not isinstance(dataset, IterableDataset):  # batch_size=None: one item per batch
+        items = SkipBatchSampler(dataloader.sampler, num_batches)
+        return DataLoader(dataset, batch_size=None, sampler=items, **kwargs)
+    return SkipDataLoader(
+        dataset,
+        skip_batches=num_batches,
+        batch_size=dataloader.batch_size,
+        drop_last=dataloader.drop_last,
+        **kwargs,
+    )
+
+
+def _loader_options(dataloader: DataLoader) -> dict[str, Any]:
+    """The options of `dataloader` a rebuilt one keeps (workers, collate_fn, pin_memory...)."""
+    kwargs = {name: getattr(dataloader, name) for name in _COPIED if hasattr(dataloader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    return kwargs
+
+
 _COPIED = (
     "num_workers",
     "collate_fn",
@@ -290,10 +358,7 @@ def prepare_data_loader(
 ) -> DataLoaderShard:
     """Wrap `dataloader` so this rank sees its share. Not collective (the seed must already be
     agreed on: the Accelerator broadcasts it over MPI)."""
-    kwargs = {name: getattr(dataloader, name) for name in _COPIED if hasattr(dataloader, name)}
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("prefetch_factor", None)
-        kwargs.pop("persistent_workers", None)
+    kwargs = _loader_options(dataloader)
     # A private generator: starting an iteration then draws its worker seed from here, not from
     # the global torch RNG, so iterating does not shift the RNG a resumed run must reproduce.
     generator = torch.Generator().manual_seed(seed + process_index)

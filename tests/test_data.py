@@ -315,6 +315,35 @@ def test_a_resumed_pass_loads_none_of_the_samples_it_skips(comm, workers, unbatc
     assert _items(loader) != whole and dataset.loaded.value == len(whole) * per_batch
 
 
+@pytest.mark.parametrize("source", ["batched", "unbatched", "iterable"])
+def test_skip_first_batches_of_a_loader_that_was_not_prepared(comm, source):
+    """As in Accelerate: a new loader that leaves out the first batches on every pass (the
+    original is untouched); a map-style dataset's skipped batches are not loaded."""
+    import mpaccel
+
+    acc = _fresh()
+    dataset = Counting(10)
+    if source == "batched":
+        original = DataLoader(dataset, batch_size=3)
+    elif source == "unbatched":
+        original = DataLoader(dataset, batch_size=None)
+    else:
+        original = DataLoader(SizedStream(10), batch_size=3)
+    whole = _items(original)
+    skipped = acc.skip_first_batches(original, 2)
+    assert skipped is not original and isinstance(skipped, DataLoader)
+    assert len(skipped) == len(whole) - 2
+    dataset.loaded.value = 0
+    for _ in range(2):  # on every pass
+        assert _items(skipped) == whole[2:]
+    if source != "iterable":  # two passes over the batches after the first two, no more
+        assert dataset.loaded.value == 2 * sum(
+            len(b) if isinstance(b, list) else 1 for b in whole[2:]
+        )
+    assert _items(original) == whole
+    assert _items(mpaccel.skip_first_batches(original, 3)) == whole[3:]
+
+
 def test_random_sampler_with_replacement_keeps_its_num_samples(comm):
     torch.manual_seed(1234 + comm.rank)  # each rank's own RNG differs: it must not matter
     acc = _fresh()
