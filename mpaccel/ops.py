@@ -15,7 +15,7 @@ import torch
 
 from . import distributed
 from .comm import Comm
-from .errors import ConfigurationError
+from .errors import CollectiveMismatchError, ConfigurationError
 
 
 def _leaves(data: Any) -> list[torch.Tensor]:
@@ -41,9 +41,44 @@ def _rebuild(data: Any, replace: Callable[[torch.Tensor], Any]) -> Any:
     return data
 
 
-def _metadata(comm: Comm, data: Any, what: str) -> list[list[tuple[tuple[int, ...], str]]]:
+def _exchange(comm: Comm, operation: str, mine: Any, what: str) -> list[Any]:
+    """Collective: every rank's `mine`, once every rank is known to be in the same operation.
+    `operation` names it with what must agree (reduce(sum), broadcast(from_process=0)...): two
+    ranks in different operations here would meet in this one MPI all-gather and then go on
+    to different data-plane collectives that hang (or mix the wrong data); instead every rank
+    raises the same error."""
+    gathered = comm.allgather((operation, mine), what=what)
+    ranks: dict[str, list[int]] = {}
+    for rank, (call, _) in enumerate(gathered):
+        ranks.setdefault(call, []).append(rank)
+    if len(ranks) > 1:
+        where = "; ".join(f"{call} on {_rank_list(found)}" for call, found in ranks.items())
+        raise CollectiveMismatchError(
+            f"the ranks called different collective operations: {where}",
+            "every rank must make the same collective calls, with the same arguments, in the "
+            "same order; look for a branch taken on some ranks only (or a reduction, source "
+            "rank or use_gather_object that depends on the rank).",
+        )
+    return [payload for _, payload in gathered]
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-2, 5' (sorted ranks)."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _metadata(
+    comm: Comm, data: Any, what: str, operation: str | None = None
+) -> list[list[tuple[tuple[int, ...], str]]]:
     mine = [(tuple(t.shape), str(t.dtype)) for t in _leaves(data)]
-    return comm.allgather(mine, what=f"{what} (shape check)")
+    return _exchange(comm, operation or what, mine, f"{what} (shape check)")
 
 
 def _mismatch(what: str, metas: list, leaf: int, rule: str) -> ConfigurationError:
@@ -116,7 +151,7 @@ def gather_object(comm: Comm, obj: Any) -> list[Any]:
     """Every rank's picklable objects in one list, in rank order: lists and tuples are
     concatenated, tensors and numpy arrays contribute their rows (as in Accelerate), anything
     else one element. Runs over MPI (host), not the GPU."""
-    parts = comm.allgather(obj, what="gather_object")
+    parts = _exchange(comm, "gather_object", obj, "gather_object")
     out: list[Any] = []
     for part in parts:
         if isinstance(part, (list, tuple)):
@@ -150,7 +185,7 @@ def reduce(comm: Comm, data: Any, reduction: str = "sum", scale: float = 1.0) ->
     if reduction == "none":
         return data
     if comm.size > 1:
-        _check("reduce", _metadata(comm, data, "reduce"), "shape")
+        _check("reduce", _metadata(comm, data, "reduce", f"reduce({reduction})"), "shape")
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
@@ -169,7 +204,8 @@ def broadcast(comm: Comm, data: Any, from_process: int = 0) -> Any:
         return data
     if not 0 <= from_process < comm.size:
         raise ConfigurationError(f"broadcast(from_process={from_process}) is not a rank")
-    _check("broadcast", _metadata(comm, data, "broadcast"), "shape")
+    operation = f"broadcast(from_process={from_process})"
+    _check("broadcast", _metadata(comm, data, "broadcast", operation), "shape")
     return _rebuild(data, lambda t: distributed.broadcast(t, from_process))
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from mpaccel import Accelerator, AcceleratorState, distributed
-from mpaccel.errors import ConfigurationError
+from mpaccel import Accelerator, AcceleratorState, distributed, ops
+from mpaccel.errors import CollectiveMismatchError, ConfigurationError
 from mpaccel.testing import reset_state
 from mpaccel.tracking import GeneralTracker
 from mpaccel.utils import (
@@ -442,6 +442,46 @@ def test_shape_mismatch_is_a_clear_error_everywhere(comm):
         acc.reduce(torch.zeros(acc.process_index + 1))
     with pytest.raises(ConfigurationError, match="dtypes must match"):
         acc.gather(torch.zeros(2, dtype=torch.float32 if acc.is_main_process else torch.int64))
+    acc.wait_for_everyone()  # still in step
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize(
+    ("first", "others", "expected"),
+    [
+        ("gather", "reduce", "gather on rank 0; reduce(sum) on {rest}"),
+        ("pad", "gather", "pad_across_processes on rank 0; gather on {rest}"),
+        ("gather_object", "gather", "gather_object on rank 0; gather on {rest}"),
+        ("reduce_max", "reduce", "reduce(max) on rank 0; reduce(sum) on {rest}"),
+        ("broadcast_own", "broadcast", "broadcast(from_process=0) on rank 0; broadcast(from_proc"),
+    ],
+    ids=["gather-reduce", "pad-gather", "objects-gather", "max-sum", "sources"],
+)
+def test_different_operations_on_different_ranks_are_one_clear_error(
+    comm, first, others, expected
+):
+    """Operations that meet in the same MPI exchange (the shape check) but would then go on to
+    different data-plane collectives (a hang, or wrong data): every rank raises the same error
+    at once, naming who called what."""
+    acc = _fresh()
+    t = torch.ones(3)
+    calls = {
+        "gather": lambda: acc.gather(t),
+        "reduce": lambda: acc.reduce(t),
+        "reduce_max": lambda: acc.reduce(t, "max"),
+        "pad": lambda: acc.pad_across_processes(t),
+        "gather_object": lambda: acc.gather_for_metrics(["x"]),
+        "broadcast": lambda: ops.broadcast(acc._partial.comm, t, 0),
+        "broadcast_own": lambda: ops.broadcast(acc._partial.comm, t, acc.process_index),
+    }
+    # (broadcast_own: every rank names itself as the source)
+    call = calls[first] if acc.process_index == 0 or first == "broadcast_own" else calls[others]
+    with pytest.raises(CollectiveMismatchError) as error:
+        call()
+    text = str(error.value)
+    rest = "rank 1" if comm.size == 2 else f"ranks 1-{comm.size - 1}"
+    assert expected.format(rest=rest) in text, text
+    assert text == comm.allgather(text)[0]  # the same error on every rank
     acc.wait_for_everyone()  # still in step
 
 
