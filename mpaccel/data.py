@@ -149,8 +149,9 @@ class DataLoaderShard:
         self.end_of_dataloader = False
         self.iteration = 0  # the epoch of the pass under way, or of the next one
         self._started = False  # a pass of `iteration` has begun: the next pass moves on
-        self._skip = 0  # batches the next pass skips (skip_first_batches)
-        self._skipped = 0  # batches the pass under way skipped
+        self._skip = 0  # batches the next pass skips (skip_first_batches, or load_state)
+        self._skip_counted = False  # ... and len() counts them (skip_first_batches only)
+        self._skipped = 0  # batches the pass under way skipped, as len() counts them
         self.batches_yielded = 0
         length = self.total_dataset_length
         total = self.total_batch_size
@@ -159,7 +160,8 @@ class DataLoaderShard:
             self.remainder = length % total
 
     def __len__(self) -> int:
-        return len(self.base_dataloader) - (self._skip or self._skipped)
+        pending = self._skip if self._skip_counted else 0
+        return len(self.base_dataloader) - (pending or self._skipped)
 
     def __getattr__(self, name: str) -> Any:
         # Anything else a script reads from its loader (num_workers, collate_fn, pin_memory...)
@@ -220,7 +222,13 @@ class DataLoaderShard:
     def skip_first_batches(self, num_batches: int) -> None:
         """Make the next pass start after its first `num_batches` batches (resuming); len()
         counts the batches that pass gives until it has run to its end."""
-        self._skip = int(num_batches)
+        self._skip, self._skip_counted = int(num_batches), True
+
+    def _resume_at(self, num_batches: int) -> None:
+        """load_state: the next pass starts after `num_batches` batches, as with
+        skip_first_batches, but len() stays the whole epoch's: Accelerate's load_state leaves
+        loaders alone, and scripts written for it work out where to resume from len(loader)."""
+        self._skip, self._skip_counted = int(num_batches), False
 
     def __iter__(self) -> Iterator[Any]:
         # Every pass is a new epoch, whether the last one ran to its end or was left early (a
@@ -230,8 +238,9 @@ class DataLoaderShard:
             self.iteration += 1
         self._started = True
         self._tell_epoch()
-        skip, self._skip = self._skip, 0
-        self._skipped = skip
+        skip, counted = self._skip, self._skip_counted
+        self._skip, self._skip_counted = 0, False
+        self._skipped = skip if counted else 0
         self.gradient_state._add_dataloader(self)
         self.end_of_dataloader = False
         self.batches_yielded = skip

@@ -270,6 +270,52 @@ def test_resume_mid_epoch(comm, mpi_tmp_path, source):
     assert _lists(loader) == whole_epoch[1:]
 
 
+@pytest.mark.parametrize("flow", ["accelerate", "load_state_only"])
+@pytest.mark.parametrize("where", ["mid_epoch", "second_epoch", "after_last_batch"])
+def test_resuming_the_way_accelerate_scripts_do(comm, mpi_tmp_path, flow, where):
+    """The resume block of Accelerate's examples (complete_nlp_example, checkpointing.py):
+    load_state, then the epoch and step to start from worked out with len(train_dataloader),
+    then skip_first_batches. load_state must leave len() alone for that arithmetic (it gave
+    the wrong epoch, or none); a checkpoint saved as the last batch of an epoch was out must
+    resume at the next epoch (it gave an empty pass, or that epoch's order again). Without the
+    skip (load_state alone) the loader resumes where it was, too."""
+
+    def prepared():
+        acc = _fresh()
+        return acc, acc.prepare(DataLoader(list(range(10 * comm.size)), batch_size=2, shuffle=True))
+
+    acc, loader = prepared()
+    length = len(loader)
+    epochs = 3
+    stop = {"mid_epoch": 2, "second_epoch": length + 3, "after_last_batch": length}[where]
+    stream, step = [], 0
+    for _ in range(epochs):
+        for batch in loader:
+            stream.append(batch.tolist())
+            step += 1
+            if step == stop:
+                acc.save_state(mpi_tmp_path / f"step_{step}")
+    acc, loader = prepared()
+    acc.load_state(mpi_tmp_path / f"step_{stop}")
+    assert len(loader) == length
+    seen = []
+    if flow == "accelerate":
+        resume_step = stop
+        starting_epoch = resume_step // len(loader)
+        resume_step -= starting_epoch * len(loader)
+        for epoch in range(starting_epoch, epochs):
+            active = loader
+            if epoch == starting_epoch and resume_step is not None:
+                active = acc.skip_first_batches(loader, resume_step)
+            seen += [batch.tolist() for batch in active]
+    else:
+        while len(seen) < len(stream) - stop:
+            before = len(seen)
+            seen += [batch.tolist() for batch in loader]
+            assert len(seen) > before  # no empty pass
+    assert seen == stream[stop:]
+
+
 class Counting(torch.utils.data.Dataset):
     """range(n), counting the samples loaded (in this process and in its loader's workers)."""
 

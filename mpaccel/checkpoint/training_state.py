@@ -43,7 +43,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def dataloader_position(shard: Any) -> dict[str, Any]:
-    mid_epoch = shard.gradient_state.active_dataloader is shard
+    # A pass whose last batch is out has only to return: saved as over, so that the resumed
+    # run moves on to the next epoch (not an empty pass, nor the same epoch again).
+    mid_epoch = shard.gradient_state.active_dataloader is shard and not shard.end_of_dataloader
     return {
         "iteration": shard.iteration,
         "started": shard._started,
@@ -78,7 +80,7 @@ def restore_dataloader(shard: Any, position: dict[str, Any], saved_world: int, w
                 RuntimeWarning,
                 stacklevel=3,
             )
-    shard.skip_first_batches(batches)
+    shard._resume_at(batches)
 
 
 def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
