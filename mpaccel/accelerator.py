@@ -627,11 +627,21 @@ class Accelerator:
         wait_for_checkpoint(). Returns the directory."""
         return checkpoint.save_state(self, output_dir, async_save)
 
-    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> str:
+    def load_state(
+        self,
+        input_dir: str | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        **load_model_func_kwargs: Any,
+    ) -> str:
         """Collective. Restore what save_state wrote (the latest complete checkpoint when
         input_dir is None and automatic naming is on). Works at another world size: shared
-        state loads anywhere; per-rank RNG states are then skipped, with a warning."""
-        return checkpoint.load_state(self, input_dir)
+        state loads anywhere; per-rank RNG states are then skipped, with a warning.
+
+        `load_model_func_kwargs` go to the models' load_state_dict (`strict=False`: keys may
+        be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
+        accepted and has nothing to act on: nothing is unpickled here."""
+        del load_kwargs
+        return checkpoint.load_state(self, input_dir, load_model_func_kwargs)
 
     def wait_for_checkpoint(self) -> None:
         """Collective in effect: block until an async save is committed (re-raises its error)."""

@@ -406,6 +406,42 @@ def test_errors_are_raised_on_every_rank(mpi_tmp_path, comm):
     assert info.value.failed_ranks == list(range(comm.size)) and "rank 0" in message
 
 
+def test_load_state_passes_strict_on_to_the_models(mpi_tmp_path, comm):
+    """load_state(dir, strict=False), as in Accelerate: a model with a new head loads the keys
+    it shares with the checkpoint; other shapes are still refused; unknown keywords are an
+    error (they were silently ignored)."""
+    def build(head: int | None):
+        reset_state()
+        acc = Accelerator()
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(4, 8)] + ([torch.nn.Linear(8, head)] if head else [])
+        net = acc.prepare(torch.nn.Sequential(*layers))
+        return acc, net
+
+    acc, net = build(None)
+    acc.save_state(mpi_tmp_path / "body")
+    saved = {k: v.clone() for k, v in acc.unwrap_model(net).state_dict().items()}
+    acc, net = build(3)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+    with pytest.raises(CollectiveError, match="missing keys"):
+        acc.load_state(mpi_tmp_path / "body")
+    acc.load_state(mpi_tmp_path / "body", strict=False)
+    live = acc.unwrap_model(net).state_dict()
+    assert all(torch.equal(live[k], v) for k, v in saved.items())
+    assert not live["1.weight"].any()  # the new head is left as it was
+    acc.load_state(mpi_tmp_path / "body", load_kwargs={"map_location": "cpu"}, strict=False)
+    with pytest.raises(TypeError, match="bogus"):
+        acc.load_state(mpi_tmp_path / "body", bogus=1)
+    acc, net = build(None)
+    with torch.no_grad():  # another shape: refused whatever strict says
+        net_module = acc.unwrap_model(net)
+        net_module[0] = torch.nn.Linear(4, 9)
+    with pytest.raises(CollectiveError, match="other shapes"):
+        acc.load_state(mpi_tmp_path / "body", strict=False)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_state_that_differs_between_ranks_is_refused_before_anything_is_written(
     mpi_tmp_path, comm

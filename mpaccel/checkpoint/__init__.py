@@ -274,7 +274,19 @@ def node_share(accelerator: Any) -> tuple[int, int]:
     return state.local_process_index, state.process_info.local_num_processes
 
 
-def load_state(accelerator: Any, input_dir: str | None) -> str:
+MODEL_LOAD_OPTIONS = ("strict", "assign")  # what torch's Module.load_state_dict takes
+
+
+def load_state(
+    accelerator: Any, input_dir: str | None, model_options: dict[str, Any] | None = None
+) -> str:
+    model_options = dict(model_options or {})
+    unknown = sorted(set(model_options) - set(MODEL_LOAD_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"load_state() got unexpected keyword argument(s) {unknown}: the keywords it passes "
+            f"on to the models' load_state_dict are {list(MODEL_LOAD_OPTIONS)}"
+        )
     accelerator._async_saver.wait()
     config = accelerator.project_configuration
     comm = accelerator._partial.comm
@@ -306,12 +318,12 @@ def load_state(accelerator: Any, input_dir: str | None) -> str:
         # corrupted tensor (found by the one rank of a node that verifies it) stops every rank
         # at the same point, with the same bytes in the tensors read in place.
         try:
-            trees = read_back(accelerator, reader, comm.rank)
+            trees = read_back(accelerator, reader, comm.rank, model_options)
         except Exception as exc:
             error = exc
         comm.agree(error, what, kind=CheckpointCollectiveError)
         try:
-            notes = apply(accelerator, trees, reader)
+            notes = apply(accelerator, trees, reader, model_options)
             if number is not None:
                 config.iteration = number + 1
         except Exception as exc:

@@ -143,10 +143,13 @@ def collect(accelerator: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return shared, per_rank
 
 
-def _load_into(name: str, target: Any, state: Any, directory: str) -> None:
+def _load_into(
+    name: str, target: Any, state: Any, directory: str, options: dict[str, Any] | None = None
+) -> None:
+    """target.load_state_dict(state); `options` (strict=, assign=) for models."""
     try:
         if isinstance(target, torch.nn.Module):
-            target.load_state_dict(state, strict=True)
+            target.load_state_dict(state, **{"strict": True, **(options or {})})
         else:
             target.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError, TypeError) as exc:
@@ -157,9 +160,13 @@ def _load_into(name: str, target: Any, state: Any, directory: str) -> None:
         ) from exc
 
 
-def _check_model(name: str, live: dict[str, Any], saved: dict[str, Any], directory: str) -> None:
-    missing = [k for k in live if k not in saved]
-    unexpected = [k for k in saved if k not in live]
+def _check_model(
+    name: str, live: dict[str, Any], saved: dict[str, Any], directory: str, strict: bool = True
+) -> None:
+    # strict=False lets keys be missing on either side, as torch's load_state_dict does; other
+    # shapes are refused either way.
+    missing = [k for k in live if k not in saved] if strict else []
+    unexpected = [k for k in saved if k not in live] if strict else []
     shapes = [
         f"{k}: {list(saved[k].shape)} in the checkpoint, {list(live[k].shape)} here"
         for k in live
@@ -191,7 +198,9 @@ def _optimizer_target(opt: Any, document: Any) -> Any:
     return live
 
 
-def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
+def read_back(
+    accelerator: Any, reader: Any, rank: int, model_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Phase 1 of a load: read (and verify) every state tree this rank needs. Tensors of the
     models and optimizers are filled in place where dtype and shape match. Reading goes on past
     a failed check, so every rank ends with the same bytes in those tensors; the first error is
@@ -235,7 +244,8 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
             # What load_state_dict(strict=True) would refuse in phase 2, refused here, before
             # any rank applies anything (a rank whose model differs must not be the only one
             # left without the checkpoint's RNG states, step, scheduler...)
-            _check_model(name, live, trees[name], directory)
+            strict = bool((model_options or {}).get("strict", True))
+            _check_model(name, live, trees[name], directory, strict)
     same_world = reader.world_size == accelerator.num_processes
     source = rank if same_world else 0
     per_rank = [  # at another world size: rank 0's dataloader positions only
@@ -249,13 +259,20 @@ def read_back(accelerator: Any, reader: Any, rank: int) -> dict[str, Any]:
     return trees
 
 
-def apply(accelerator: Any, trees: dict[str, Any], reader: Any) -> list[str]:
+def apply(
+    accelerator: Any,
+    trees: dict[str, Any],
+    reader: Any,
+    model_options: dict[str, Any] | None = None,
+) -> list[str]:
     """Phase 2 of a load, once every rank read everything: hand the trees to the objects.
+    `model_options`: for the models' load_state_dict (strict=, assign=).
     Returns warnings (e.g. RNG states skipped at another world size)."""
     notes: list[str] = []
     directory = reader.directory
     for i, model in enumerate(accelerator._models):
-        _load_into(f"model_{i}", accelerator.unwrap_model(model), trees[f"model_{i}"], directory)
+        module, tree = accelerator.unwrap_model(model), trees[f"model_{i}"]
+        _load_into(f"model_{i}", module, tree, directory, model_options)
     for i, opt in enumerate(accelerator._optimizers):
         _load_into(f"optimizer_{i}", opt, trees[f"optimizer_{i}"], directory)
     for i, sched in enumerate(accelerator._schedulers):
