@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
+import torch
 
 from .errors import ConfigurationError
 
@@ -68,19 +72,40 @@ class TensorBoardTracker(GeneralTracker):
         self.writer.flush()
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Numbers (one-element tensors and numpy scalars too) as scalars, strings as text,
+        dicts of numbers as grouped scalars. Anything else is skipped with a warning: a
+        logging call does not end a training run (the main process alone would stop)."""
         for key, value in values.items():
-            if isinstance(value, (int, float)):
-                self.writer.add_scalar(key, value, global_step=step, **kwargs)
+            number = _number(value)
+            if number is not None:
+                self.writer.add_scalar(key, number, global_step=step, **kwargs)
             elif isinstance(value, str):
                 self.writer.add_text(key, value, global_step=step, **kwargs)
-            elif isinstance(value, Mapping):
-                self.writer.add_scalars(key, dict(value), global_step=step, **kwargs)
+            elif isinstance(value, Mapping) and all(_number(v) is not None for v in value.values()):
+                scalars = {str(k): _number(v) for k, v in value.items()}
+                self.writer.add_scalars(key, scalars, global_step=step, **kwargs)
             else:
-                raise ConfigurationError(
-                    f"tensorboard cannot log {key!r}={value!r:.80}",
-                    "log numbers, strings, or dicts of numbers.",
+                warnings.warn(
+                    f"tensorboard cannot log {key!r}={value!r:.80}: skipped (it logs numbers, "
+                    "one-element tensors, strings, and dicts of numbers)",
+                    RuntimeWarning,
+                    stacklevel=3,
                 )
         self.writer.flush()
+
+
+def _number(value: Any) -> int | float | None:
+    """`value` as a Python number if it holds one: int, float, bool, a one-element torch
+    tensor or numpy array, a numpy scalar. Else None."""
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        number = value.item()
+    elif isinstance(value, (np.generic, np.ndarray)) and value.size == 1:
+        number = value.item()
+    else:
+        return None
+    return number if isinstance(number, (int, float)) else None  # not complex, str...
 
     def finish(self) -> None:
         self.writer.close()

@@ -5,6 +5,7 @@ the batch size: data-parallel training must end with the same parameters."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import sys
@@ -695,6 +696,15 @@ def test_a_tracker_that_cannot_be_built_is_an_error_at_once(comm, tmp_path):
     acc = _fresh(log_with="all", project_dir=str(tmp_path))
     acc.init_trackers("run", config={"lr": 0.1, "optimizer": "adam"})
     acc.log({"loss": 0.5, "note": "ok", "parts": {"a": 1.0, "b": 2.0}}, step=1)
+    # one-element tensors and numpy scalars are numbers; what cannot be logged is skipped with
+    # a warning (it raised, on the main process only, which ended the whole job)
+    import numpy as np
+
+    with pytest.warns(RuntimeWarning, match="cannot log 'vector'") if acc.is_main_process \
+            else contextlib.nullcontext():
+        acc.log(
+            {"loss": torch.tensor(0.25), "lr": np.float32(0.5), "vector": torch.ones(3)}, step=2
+        )
     writer = acc.get_tracker("tensorboard", unwrap=True)
     acc.end_training()
     if acc.is_main_process:
@@ -702,7 +712,8 @@ def test_a_tracker_that_cannot_be_built_is_an_error_at_once(comm, tmp_path):
 
         events = EventAccumulator(writer.log_dir)
         events.Reload()
-        assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5)]
+        assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5), (2, 0.25)]
+        assert [(e.step, e.value) for e in events.Scalars("lr")] == [(2, 0.5)]
 
 
 @pytest.mark.parametrize("set_up_again", [True, False])
