@@ -572,6 +572,11 @@ class Accelerator:
             unpatch_forward(model)
         return model
 
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """Not collective. The model's state_dict (of the unwrapped model by default: no
+        `module.` prefix from DDP), as Accelerate's, to save it or hand it to another library."""
+        return (self.unwrap_model(model) if unwrap else model).state_dict()
+
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         """torch.save (or safetensors) on the main process only; others do nothing."""
         if not self.is_main_process:

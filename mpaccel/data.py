@@ -22,6 +22,7 @@ from .samplers import (
     synchronized,
     synchronized_batches,
 )
+from .utils.operations import send_to_device
 
 __all__ = [
     "DataLoaderShard",
@@ -107,18 +108,6 @@ class IterableDatasetShard(_Shares, IterableDataset):
 
 
 _END = object()  # the end of an iterator, for next(iterator, _END)
-
-
-def _move(batch: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
-        return type(batch)({k: _move(v, device, non_blocking) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_move(v, device, non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_move(v, device, non_blocking) for v in batch)
-    return batch
 
 
 class DataLoaderShard:
@@ -263,7 +252,7 @@ class DataLoaderShard:
                 self.end_of_dataloader = upcoming is _END
                 self.batches_yielded += 1
                 if self.device is not None:
-                    current = _move(current, self.device, self.non_blocking)
+                    current = send_to_device(current, self.device, self.non_blocking)
                 yield current
             self.end_of_dataloader = True
             self._skipped = 0  # the resumed pass is over: len() counts whole passes again

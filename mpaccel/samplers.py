@@ -143,10 +143,10 @@ class ShardedBatchSampler(_Shares, Sampler[list[int]]):
     def __init__(
         self,
         batch_sampler: Iterable[list[int]],
-        num_processes: int,
-        process_index: int,
-        split_batches: bool,
-        even_batches: bool,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+        even_batches: bool = True,
     ) -> None:
         size = getattr(batch_sampler, "batch_size", None)
         super().__init__(

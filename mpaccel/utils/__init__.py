@@ -8,6 +8,7 @@ from .dataclasses import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    LoggerType,
     ProjectConfiguration,
 )
 from .operations import (
@@ -17,7 +18,9 @@ from .operations import (
     gather_object,
     pad_across_processes,
     reduce,
+    send_to_device,
 )
+from .random import set_seed
 
 __all__ = [
     "DataLoaderConfiguration",
@@ -27,6 +30,7 @@ __all__ = [
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "LoggerType",
     "ProjectConfiguration",
     "broadcast",
     "broadcast_object_list",
@@ -34,4 +38,6 @@ __all__ = [
     "gather_object",
     "pad_across_processes",
     "reduce",
+    "send_to_device",
+    "set_seed",
 ]

@@ -11,6 +11,26 @@ from typing import Any
 from ..errors import ConfigurationError
 
 
+class LoggerType(str, enum.Enum):
+    """Tracker names, as Accelerate spells them, for `Accelerator(log_with=...)`. mpaccel builds
+    TENSORBOARD (and ALL: every built-in one whose package is installed) from a name; the others
+    exist so code naming them imports, and are a ConfigurationError when asked for (pass a
+    GeneralTracker object instead)."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class DistributedType(str, enum.Enum):
     """Kinds of distributed set-up, as Accelerate names them. mpaccel itself produces NO,
     MULTI_CPU (gloo) and MULTI_GPU (NCCL); the other names exist so code comparing against them
