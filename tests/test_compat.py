@@ -122,3 +122,20 @@ def test_the_data_loader_module_path(comm):
     reset_state()
     loader = Accelerator().prepare(DataLoader(list(range(4)), batch_size=2))
     assert type(loader) is DataLoaderShard
+
+
+def test_tqdm_shows_one_bar_per_node(comm, capsys):
+    pytest.importorskip("tqdm")
+    from mpaccel.state import PartialState
+    from mpaccel.utils import tqdm
+
+    reset_state()
+    local = PartialState().local_process_index
+    assert list(tqdm(range(3), desc="steps")) == [0, 1, 2]
+    shown = "steps" in capsys.readouterr().err
+    assert shown == (local == 0)
+    assert tqdm(range(3)).disable == (local != 0)
+    assert not tqdm(range(3), main_process_only=False).disable
+    assert tqdm(range(3), disable=True).disable
+    with pytest.raises(ValueError, match="main_process_only"):
+        tqdm(True, range(3))

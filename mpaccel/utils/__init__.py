@@ -20,6 +20,7 @@ from .operations import (
     reduce,
     send_to_device,
 )
+from .progress import tqdm
 from .random import set_seed
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "reduce",
     "send_to_device",
     "set_seed",
+    "tqdm",
 ]
