@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -17,6 +18,7 @@ from . import checkpoint, distributed, ops, tracking
 from . import slurm as slurm_support
 from .data import DataLoaderShard, prepare_data_loader, skip_first_batches
 from .errors import ConfigurationError
+from .samplers import ShardedBatchSampler
 from .state import AcceleratorState, GradientState, PartialState
 from .training import (
     AcceleratedOptimizer,
@@ -447,6 +449,43 @@ class Accelerator:
         )
         self._dataloaders.append(shard)
         return shard
+
+    @contextmanager
+    def join_uneven_inputs(
+        self, joinables: list[Any], even_batches: bool | None = None
+    ) -> Iterator[None]:
+        """Collective in effect. Training or evaluation where ranks get different numbers of
+        batches: torch.distributed's Join around the block, so that DDP models (and other
+        Joinables) of ranks that ran out of batches keep answering the others' all-reduces
+        instead of leaving them hanging. `even_batches` overrides the prepared map-style
+        loaders' setting inside the block (False: no repeated samples, uneven batches); Join
+        is enabled only when batches are uneven. Does nothing in a world of one."""
+        if self.num_processes == 1:
+            yield
+            return
+        from torch.distributed.algorithms import Join
+
+        changed = []
+        if even_batches is not None:
+            for loader in self._dataloaders:
+                if isinstance(loader.sharding, ShardedBatchSampler):
+                    changed.append((loader.sharding, loader.sharding.even_batches))
+                    loader.sharding.even_batches = even_batches
+            if len(changed) < len(self._dataloaders):
+                warnings.warn(
+                    "join_uneven_inputs(even_batches=...) applies to loaders of map-style "
+                    "datasets only; those of iterable datasets keep their setting",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        else:
+            even_batches = self.even_batches
+        try:
+            with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
+                yield
+        finally:
+            for sharding, value in changed:
+                sharding.even_batches = value
 
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> Any:
         """A prepared loader: the same one, whose next pass starts after `num_batches` batches.

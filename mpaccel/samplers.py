@@ -97,9 +97,6 @@ class _Shares:
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.drop_last = drop_last
-        # One process has nothing to even out: its batches are the loader's own, unchanged (no
-        # samples repeated at the end), as in a plain run and as in Accelerate.
-        self.pads_last_round = even_batches and num_processes > 1
         if split_batches and batch_size is None:
             raise ConfigurationError(
                 "split_batches=True needs the loader's batch size, and this loader has none "
@@ -114,6 +111,13 @@ class _Shares:
                 "use a multiple of the number of processes, or split_batches=False (each "
                 "process then takes whole batches of that size).",
             )
+
+    @property
+    def pads_last_round(self) -> bool:
+        # One process has nothing to even out: its batches are the loader's own, unchanged (no
+        # samples repeated at the end), as in a plain run and as in Accelerate. (A property:
+        # join_uneven_inputs may change even_batches for a while.)
+        return self.even_batches and self.num_processes > 1
 
     @property
     def total_batch_size(self) -> int | None:

@@ -139,3 +139,31 @@ def test_tqdm_shows_one_bar_per_node(comm, capsys):
     assert tqdm(range(3), disable=True).disable
     with pytest.raises(ValueError, match="main_process_only"):
         tqdm(True, range(3))
+
+
+@pytest.mark.mpi_timeout(60)  # without Join the ranks with more batches hang in DDP
+def test_join_uneven_inputs_trains_on_batches_that_do_not_divide_evenly(comm):
+    """even_batches=False inside the block: each rank takes only its own batches (the last
+    ranks one fewer), and Join keeps the ranks that ran out answering DDP's all-reduces: no
+    hang, every sample seen once, the parameters the same on every rank."""
+    reset_state()
+    acc = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    samples = 2 * comm.size + 1  # one more than an even split
+    data = [torch.tensor([float(i), 1.0]) for i in range(samples)]
+    model, optimizer, loader = acc.prepare(model, optimizer, DataLoader(data, batch_size=1))
+    seen = []
+    with acc.join_uneven_inputs([model], even_batches=False):
+        for batch in loader:
+            seen += batch[:, 0].tolist()
+            optimizer.zero_grad()
+            acc.backward(model(batch).sum())
+            optimizer.step()
+    assert loader.sharding.even_batches is True  # restored after the block
+    everyone = sorted(x for part in comm.allgather(seen) for x in part)
+    assert everyone == [float(i) for i in range(samples)]  # once each, none repeated
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert all(torch.equal(weights, w) for w in comm.allgather(weights))
+    assert len(list(loader)) == -(-samples // comm.size)  # even again outside the block
