@@ -29,6 +29,7 @@ from .training import (
     unpatch_forward,
 )
 from .utils.dataclasses import (
+    AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     DistributedType,
@@ -41,7 +42,12 @@ from .utils.dataclasses import (
 
 
 def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, KwargsHandler]:
-    known = (InitProcessGroupKwargs, DistributedDataParallelKwargs, GradScalerKwargs)
+    known = (
+        InitProcessGroupKwargs,
+        DistributedDataParallelKwargs,
+        GradScalerKwargs,
+        AutocastKwargs,
+    )
     found: dict[type, KwargsHandler] = {}
     for handler in handlers or ():
         kind = type(handler)
@@ -130,6 +136,7 @@ class Accelerator:
         self._trigger = 0
         self.step = 0  # micro-batches since the last optimizer step (gradient accumulation)
         self.ddp_handler = handlers.get(DistributedDataParallelKwargs)
+        self.autocast_handler = handlers.get(AutocastKwargs)
         scaler_handler = handlers.get(GradScalerKwargs)
         self.scaler = make_grad_scaler(
             self.state.mixed_precision,
@@ -394,7 +401,7 @@ class Accelerator:
         """Collective when distributed (DDP broadcasts rank 0's parameters and buffers)."""
         if device_placement if device_placement is not None else self.device_placement:
             model = model.to(self.device)
-        patch_forward(model, self.mixed_precision, self.device)
+        patch_forward(model, self.mixed_precision, self.device, self._autocast_options())
         self._models.append(model)
         trainable = any(p.requires_grad for p in model.parameters())
         if self.num_processes > 1 and trainable and not evaluation_mode:
@@ -559,10 +566,16 @@ class Accelerator:
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     @contextmanager
-    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
-        """Run the block in the configured mixed precision (prepared models already do)."""
-        with autocast_context(self.mixed_precision, self.device):
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
+        """Run the block in the configured mixed precision (prepared models already do), with
+        `autocast_handler`'s options if given, else those of kwargs_handlers' AutocastKwargs."""
+        options = self._autocast_options(autocast_handler)
+        with autocast_context(self.mixed_precision, self.device, options):
             yield
+
+    def _autocast_options(self, handler: KwargsHandler | None = None) -> dict[str, Any]:
+        chosen = handler or self.autocast_handler
+        return chosen.to_kwargs() if chosen is not None else {}
 
     @property
     def optimizer_step_was_skipped(self) -> bool:

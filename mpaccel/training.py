@@ -14,12 +14,15 @@ from .errors import ConfigurationError
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def autocast_context(mixed_precision: str, device: torch.device) -> AbstractContextManager:
-    """torch.autocast for the configured precision ('no': a null context)."""
+def autocast_context(
+    mixed_precision: str, device: torch.device, options: dict[str, Any] | None = None
+) -> AbstractContextManager:
+    """torch.autocast for the configured precision ('no': a null context). `options`:
+    AutocastKwargs(...).to_kwargs() (enabled, cache_enabled)."""
     dtype = _AUTOCAST_DTYPES.get(mixed_precision)
     if dtype is None:
         return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, **(options or {}))
 
 
 def make_grad_scaler(
@@ -32,15 +35,21 @@ def make_grad_scaler(
     return torch.amp.GradScaler(device.type, **(options or {}))
 
 
-def patch_forward(model: torch.nn.Module, mixed_precision: str, device: torch.device) -> None:
-    """Run `model.forward` under autocast, returning float32 outputs (as Accelerate does)."""
+def patch_forward(
+    model: torch.nn.Module,
+    mixed_precision: str,
+    device: torch.device,
+    options: dict[str, Any] | None = None,
+) -> None:
+    """Run `model.forward` under autocast, returning float32 outputs (as Accelerate does).
+    `options`: as for autocast_context."""
     if mixed_precision not in _AUTOCAST_DTYPES or hasattr(model, "_mpaccel_original_forward"):
         return
     original = model.forward
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with autocast_context(mixed_precision, device):
+        with autocast_context(mixed_precision, device, options):
             output = original(*args, **kwargs)
         return _to_float32(output)
 

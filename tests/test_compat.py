@@ -167,3 +167,28 @@ def test_join_uneven_inputs_trains_on_batches_that_do_not_divide_evenly(comm):
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert all(torch.equal(weights, w) for w in comm.allgather(weights))
     assert len(list(loader)) == -(-samples // comm.size)  # even again outside the block
+
+
+def test_autocast_kwargs(comm):
+    """AutocastKwargs in kwargs_handlers reach the prepared model's autocast and
+    accelerator.autocast(); autocast(autocast_handler=...) sets them for one block."""
+    from mpaccel.utils import AutocastKwargs
+
+    def layer_dtypes(handlers):
+        reset_state()
+        acc = Accelerator(mixed_precision="bf16", kwargs_handlers=handlers)
+        model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        seen = []  # what the layer inside computes in (the model's output is made float32)
+        acc.unwrap_model(model)[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        assert model(torch.ones(2, 4)).dtype == torch.float32
+        return acc, seen
+
+    acc, seen = layer_dtypes([AutocastKwargs(enabled=False)])
+    assert seen == [torch.float32]  # autocast disabled
+    with acc.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    with acc.autocast(autocast_handler=AutocastKwargs(enabled=True)):
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.nn.Linear(4, 4)(torch.ones(2, 4)).dtype == torch.bfloat16
+    acc, seen = layer_dtypes(None)
+    assert seen == [torch.bfloat16]  # by default the layer runs in bf16

@@ -1,6 +1,7 @@
 """Utilities with Accelerate's module paths: `mpaccel.utils.InitProcessGroupKwargs`, ..."""
 
 from .dataclasses import (
+    AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     DistributedType,
@@ -24,6 +25,7 @@ from .progress import tqdm
 from .random import set_seed
 
 __all__ = [
+    "AutocastKwargs",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",

@@ -138,6 +138,16 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
 
 @dataclass
+class AutocastKwargs(KwargsHandler):
+    """Arguments for torch.autocast under mixed precision: in `kwargs_handlers` for the prepared
+    models' forward and `accelerator.autocast()`, or for one block with
+    `accelerator.autocast(autocast_handler=...)`. cache_enabled=None: torch's default."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+@dataclass
 class GradScalerKwargs(KwargsHandler):
     """Arguments for the torch.amp.GradScaler used with mixed_precision="fp16"."""
 
