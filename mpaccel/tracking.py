@@ -93,6 +93,9 @@ class TensorBoardTracker(GeneralTracker):
                 )
         self.writer.flush()
 
+    def finish(self) -> None:
+        self.writer.close()
+
 
 def _number(value: Any) -> int | float | None:
     """`value` as a Python number if it holds one: int, float, bool, a one-element torch
@@ -106,9 +109,6 @@ def _number(value: Any) -> int | float | None:
     else:
         return None
     return number if isinstance(number, (int, float)) else None  # not complex, str...
-
-    def finish(self) -> None:
-        self.writer.close()
 
 
 # name -> (tracker class, module it needs): the trackers mpaccel can build from a name

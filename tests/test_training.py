@@ -714,6 +714,7 @@ def test_a_tracker_that_cannot_be_built_is_an_error_at_once(comm, tmp_path):
         events.Reload()
         assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5), (2, 0.25)]
         assert [(e.step, e.value) for e in events.Scalars("lr")] == [(2, 0.5)]
+        assert writer.file_writer is None  # end_training closed it
 
 
 @pytest.mark.parametrize("set_up_again", [True, False])
