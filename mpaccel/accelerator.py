@@ -398,7 +398,11 @@ class Accelerator:
         device_placement: bool | None = None,
         evaluation_mode: bool = False,
     ) -> torch.nn.Module:
-        """Collective when distributed (DDP broadcasts rank 0's parameters and buffers)."""
+        """Collective when distributed (DDP broadcasts rank 0's parameters and buffers). A
+        model prepared already (or the module inside one) gives back its prepared model."""
+        for prepared in self._models:
+            if model is prepared or model is self.unwrap_model(prepared):
+                return prepared
         if device_placement if device_placement is not None else self.device_placement:
             model = model.to(self.device)
         patch_forward(model, self.mixed_precision, self.device, self._autocast_options())
@@ -418,6 +422,8 @@ class Accelerator:
         return wrapped
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
         optimizers = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
         wrapped = AcceleratedScheduler(
             scheduler,
@@ -532,6 +538,24 @@ class Accelerator:
         )
         with context:
             yield
+
+    @contextmanager
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
+        """The backward of this block all-reduces the gradients, even inside no_sync() (DDP
+        only; a no-op otherwise): for a last micro-batch whose forward ran under no_sync, as in
+        Accelerate. Relies on DDP internals, as Accelerate's does."""
+        if not distributed.is_ddp(model):
+            yield
+            return
+        ddp: Any = model
+        saved = (ddp.require_backward_grad_sync, ddp.require_forward_param_sync)
+        ddp.require_backward_grad_sync = True
+        ddp.require_forward_param_sync = True
+        ddp.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            ddp.require_backward_grad_sync, ddp.require_forward_param_sync = saved
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """loss.backward(), divided by the accumulation steps and scaled for fp16. With DDP, the

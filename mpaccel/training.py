@@ -82,7 +82,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.gradient_state = gradient_state
         self.scaler = scaler
         self._step_was_skipped = False
-        self._unscaled = False
+        self._unscaled_at: int | None = None  # the scaler's update count when last unscaled
 
     # Behave as the wrapped optimizer for everything else.
     @property
@@ -126,20 +126,22 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                 "clip once per optimizer step: `if accelerator.sync_gradients: "
                 "accelerator.clip_grad_norm_(...)`.",
             )
-        if self.scaler is not None and not self._unscaled:
+        # Once per scaler update, as GradScaler allows: another optimizer's step (which updates
+        # the shared scaler) makes this one's gradients scaled again after its next backward.
+        if self.scaler is not None and self._unscaled_at != _updates(self.scaler):
             self.scaler.unscale_(self.optimizer)
-            self._unscaled = True
+            self._unscaled_at = _updates(self.scaler)
 
     def step(self, closure: Any = None) -> Any:
         if not self.gradient_state.sync_gradients:
             return None
-        self._unscaled = False
         if self.scaler is None:
             self._step_was_skipped = False
             return self.optimizer.step(closure) if closure else self.optimizer.step()
         scale_before = self.scaler.get_scale()
         self.scaler.step(self.optimizer, closure) if closure else self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.scaler._mpaccel_updates = _updates(self.scaler) + 1
         self._step_was_skipped = self.scaler.get_scale() < scale_before
         return None
 
@@ -156,6 +158,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+def _updates(scaler: Any) -> int:
+    """How many times the prepared optimizers updated this GradScaler (its unscale_ may run
+    once per optimizer between two updates)."""
+    return getattr(scaler, "_mpaccel_updates", 0)
 
 
 class AcceleratedScheduler:
@@ -185,14 +193,17 @@ class AcceleratedScheduler:
             self.scheduler.step(*args, **kwargs)
             return
         if not self.gradient_state.sync_gradients:
-            if self.gradient_state.adjust_scheduler:
-                self.scheduler._step_count += 1
+            if self.gradient_state.adjust_scheduler and hasattr(self.scheduler, "_step_count"):
+                self.scheduler._step_count += 1  # (ReduceLROnPlateau has no counter)
             return
         if any(opt.step_was_skipped for opt in self.optimizers):
             return
         for _ in range(1 if self.split_batches else self.num_processes):
+            # OneCycleLR refuses to step past total_steps (N steps per optimizer step may get
+            # there before the loop ends). Counted by last_epoch, the steps taken: _step_count
+            # also moved while accumulating, and stopped the cycle early.
             total = getattr(self.scheduler, "total_steps", None)
-            if total is None or self.scheduler._step_count <= total:
+            if total is None or self.scheduler.last_epoch < total:
                 self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:

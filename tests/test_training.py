@@ -738,3 +738,108 @@ def test_a_paused_pass_collected_after_a_reset_leaves_the_new_state_alone(comm, 
     assert seen == []
     if fresh is not None:
         assert fresh.gradient_state.active_dataloader is None
+
+
+def test_fp16_clipping_with_two_optimizers_unscales_each_step(comm):
+    """GAN-style: two models, two optimizers, one GradScaler. Each clip must see unscaled
+    gradients: one optimizer's step updates the shared scaler, which makes the other's next
+    gradients scaled again (the second one's norm came out x the loss scale)."""
+    acc = _fresh(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opt_a = torch.optim.SGD(first.parameters(), lr=0.01)
+    opt_b = torch.optim.SGD(second.parameters(), lr=0.01)
+    first, second, opt_a, opt_b = acc.prepare(first, second, opt_a, opt_b)
+    x = torch.ones(2, 4)
+    for _ in range(3):
+        for model, opt in ((first, opt_a), (second, opt_b)):
+            acc.backward(model(x).sum())
+            scale = acc.scaler.get_scale()
+            expected = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()])) / scale
+            norm = acc.clip_grad_norm_(model.parameters(), 1e9)
+            assert torch.allclose(norm, expected, rtol=1e-3), (float(norm), float(expected))
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("kind", ["onecycle", "plateau"])
+def test_schedulers_under_gradient_accumulation(comm, kind):
+    """OneCycleLR sized for the optimizer steps runs its whole cycle under accumulation (it
+    stopped a quarter of the way), and ReduceLROnPlateau steps under accumulation (it raised
+    AttributeError: no _step_count)."""
+    acc = _fresh(gradient_accumulation_steps=4)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(list(torch.ones(32 * comm.size, 2)), batch_size=1)
+    micro_batches = len(loader) // comm.size  # per rank, once prepared
+    steps = micro_batches // 4
+    if kind == "onecycle":
+        # as Hugging Face's examples size it: per-rank batches / accumulation, x processes
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=1.0, total_steps=steps * comm.size
+        )
+    else:
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+    model, opt, loader, scheduler = acc.prepare(model, opt, loader, scheduler)
+    for batch in loader:
+        with acc.accumulate(model):
+            acc.backward(model(batch).sum())
+            opt.step()
+            if kind == "onecycle":
+                scheduler.step()
+            else:
+                scheduler.step(1.0)  # a metric that never improves
+            opt.zero_grad()
+    if kind == "onecycle":
+        assert scheduler.scheduler.last_epoch == steps * comm.size  # the whole cycle
+        plain = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        reference = torch.optim.lr_scheduler.OneCycleLR(
+            plain, max_lr=1.0, total_steps=steps * comm.size
+        )
+        for _ in range(steps * comm.size):
+            plain.step()
+            reference.step()
+        assert scheduler.get_last_lr() == reference.get_last_lr()
+    else:
+        assert opt.param_groups[0]["lr"] < 0.1  # reduced, as it should
+
+
+def test_preparing_twice_returns_what_was_prepared(comm):
+    acc = _fresh()
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    prepared, opt, sched = acc.prepare(model, opt, sched)
+    again, sched_again = acc.prepare(prepared, sched)
+    assert again is prepared and sched_again is sched
+    assert acc.prepare(model) is prepared  # the module inside a prepared model too
+    assert len(acc._models) == 1 and len(acc._schedulers) == 1
+    acc.backward(prepared(torch.ones(1, 2)).sum())
+    opt.step()
+    sched.step()
+    assert sched.scheduler.last_epoch == comm.size  # N steps per optimizer step, not N^2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_trigger_sync_in_backward_all_reduces_inside_no_sync(comm):
+    acc = _fresh()
+    torch.manual_seed(0)
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    x = torch.full((1, 2), float(acc.process_index + 1))
+
+    def gradient(trigger: bool) -> torch.Tensor:
+        model.zero_grad()
+        with acc.no_sync(model):
+            if trigger:
+                with acc.trigger_sync_in_backward(model):
+                    acc.backward(model(x).sum())
+            else:
+                acc.backward(model(x).sum())
+        return acc.unwrap_model(model).weight.grad.clone()
+
+    local = gradient(False)  # each rank its own
+    assert len({tuple(g.tolist()[0]) for g in comm.allgather(local)}) == comm.size
+    synced = gradient(True)  # the mean over the ranks, the same everywhere
+    assert all(torch.equal(synced, g) for g in comm.allgather(synced))
+    mean = sum(comm.allgather(local)) / comm.size
+    assert torch.allclose(synced, mean)
