@@ -11,7 +11,14 @@ from typing import Any
 from ..errors import ConfigurationError
 
 
-class LoggerType(str, enum.Enum):
+class _Names(str, enum.Enum):
+    """A string enum that prints as its value (as Accelerate's enums do)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LoggerType(_Names):
     """Tracker names, as Accelerate spells them, for `Accelerator(log_with=...)`. mpaccel builds
     TENSORBOARD (and ALL: every built-in one whose package is installed) from a name; the others
     exist so code naming them imports, and are a ConfigurationError when asked for (pass a
@@ -27,11 +34,8 @@ class LoggerType(str, enum.Enum):
     DVCLIVE = "dvclive"
     SWANLAB = "swanlab"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class DistributedType(str, enum.Enum):
+class DistributedType(_Names):
     """Kinds of distributed set-up, as Accelerate names them. mpaccel itself produces NO,
     MULTI_CPU (gloo) and MULTI_GPU (NCCL); the other names exist so code comparing against them
     keeps working."""
@@ -49,9 +53,6 @@ class DistributedType(str, enum.Enum):
     FSDP = "FSDP"
     XLA = "XLA"
     MEGATRON_LM = "MEGATRON_LM"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class KwargsHandler:
