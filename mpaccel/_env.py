@@ -62,6 +62,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "debug": ("MPACCEL_DEBUG", "ACCELERATE_DEBUG_MODE"),
     "mixed_precision": ("MPACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"),
     "use_cpu": ("MPACCEL_USE_CPU", "ACCELERATE_USE_CPU"),
+    "log_level": ("MPACCEL_LOG_LEVEL", "ACCELERATE_LOG_LEVEL"),
     "io_threads": ("MPACCEL_IO_THREADS",),
     "mpi_progress": ("MPACCEL_MPI_PROGRESS",),
     "test_timeout": ("MPACCEL_TEST_TIMEOUT",),

@@ -8,8 +8,11 @@ logger.info("in turn", main_process_only=False, in_order=True)  # rank by rank (
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
+
+from . import _env
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):
@@ -36,10 +39,22 @@ class MultiProcessAdapter(logging.LoggerAdapter):
                 self.logger.log(level, msg, *args, **kwargs)
             state.wait_for_everyone()
 
+    @functools.lru_cache(None)  # noqa: B019 (one cache entry per distinct call: the point)
+    def warning_once(self, *args: Any, **kwargs: Any) -> None:
+        """warning(), the first time it is called with these arguments only."""
+        kwargs.setdefault("stacklevel", 3)
+        self.warning(*args, **kwargs)
+
 
 def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAdapter:
-    """A logger for multi-process jobs (Accelerate's `get_logger`)."""
+    """A logger for multi-process jobs (Accelerate's `get_logger`). Without `log_level`, the
+    level comes from MPACCEL_LOG_LEVEL or ACCELERATE_LOG_LEVEL where set (and, as in
+    Accelerate, is then set on the root logger too)."""
     logger = logging.getLogger(name)
+    if log_level is None:
+        log_level = _env.get("log_level")
     if log_level is not None:
-        logger.setLevel(log_level.upper() if isinstance(log_level, str) else log_level)
+        level = log_level.upper() if isinstance(log_level, str) else log_level
+        logger.setLevel(level)
+        logger.root.setLevel(level)
     return MultiProcessAdapter(logger, {})

@@ -221,8 +221,8 @@ def pad_across_processes(
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
         leaf = next(counter)
-        if tensor.ndim == 0:
-            return tensor
+        if not -tensor.ndim <= dim < tensor.ndim:
+            return tensor  # no such dimension here (0-d, or fewer dimensions): as it is
         axis = dim % tensor.ndim
         longest = max(m[leaf][0][axis] for m in metas)
         if tensor.shape[axis] >= longest:

@@ -67,7 +67,8 @@ def split_inputs(inputs: Any, index: int, count: int, apply_padding: bool = Fals
     Shares are contiguous and differ in length by at most one, the first processes taking the
     extra items. With `apply_padding`, shorter shares are filled up with the input's last element
     so that every process holds `ceil(len / count)` items (drop them after gathering). A dict is
-    split value by value; its values must all have the same length.
+    split value by value (into a mapping of its own type where that type takes a dict); its
+    values must all have the same length.
     """
     if isinstance(inputs, Mapping):
         lengths = {key: _length(value) for key, value in inputs.items()}
@@ -76,5 +77,9 @@ def split_inputs(inputs: Any, index: int, count: int, apply_padding: bool = Fals
                 "split_between_processes needs every value of the dict to have the same length, "
                 f"got {lengths!r}"
             )
-        return {key: _split_one(v, index, count, apply_padding) for key, v in inputs.items()}
+        shares = {key: _split_one(v, index, count, apply_padding) for key, v in inputs.items()}
+        try:  # the input's own type (an OrderedDict, a batch object with .to()), where it can
+            return type(inputs)(shares)  # type: ignore[call-arg]
+        except Exception:
+            return shares
     return _split_one(inputs, index, count, apply_padding)

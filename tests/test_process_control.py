@@ -467,6 +467,15 @@ def test_split_tensors_arrays_and_dicts(state, comm):
     with pytest.raises(ValueError, match="same length"):
         with state.split_between_processes({"x": [1, 2], "y": [1]}):
             pass
+    # a mapping keeps its type (a batch object with .to(), an OrderedDict)
+    import collections
+
+    class Batch(dict):
+        pass
+
+    for kind in (Batch, collections.OrderedDict):
+        with state.split_between_processes(kind(x=[1, 2, 3, 4])) as mine:
+            assert type(mine) is kind and mine["x"] == d["x"]
     with state.split_between_processes([]) as empty:
         assert empty == []
 

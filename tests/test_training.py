@@ -499,6 +499,23 @@ def test_pad_across_processes_checks_dimensions_on_every_rank(comm):
         acc.pad_across_processes(bad)
 
 
+def test_pad_across_processes_leaves_tensors_without_that_dimension_alone(comm):
+    """Generation outputs: tokens [B, L] padded along dim=1, labels [B] have no dim 1 and stay
+    as they are (they were padded along dim 0 instead: a fake label after gathering)."""
+    acc = _fresh()
+    rank = acc.process_index
+    rows = 2 if rank == 0 else 1  # uneven shares (even_batches=False, split_between_processes)
+    batch = {
+        "tokens": torch.ones(rows, 3 + rank, dtype=torch.long),
+        "labels": torch.arange(rows) + 10 * rank,
+    }
+    padded = acc.pad_across_processes(batch, dim=1, pad_index=-1)
+    assert padded["labels"] is batch["labels"]
+    assert padded["tokens"].shape == (rows, 3 + acc.num_processes - 1)
+    labels = acc.gather(padded["labels"]).tolist()
+    assert labels == [0, 1] + [10 * r for r in range(1, acc.num_processes)]
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision(comm, precision):
     acc = _fresh(mixed_precision=precision)
@@ -643,6 +660,28 @@ def test_get_logger(comm, caplog):
         logger.info("everyone", main_process_only=False)
     messages = [rec.getMessage() for rec in caplog.records]
     assert messages == (["main only", "everyone"] if comm.rank == 0 else ["everyone"])
+
+
+def test_logger_warning_once_and_the_level_from_the_environment(comm, caplog, monkeypatch):
+    import logging
+
+    from mpaccel.logging import get_logger
+
+    _fresh()
+    root_level = logging.getLogger().level
+    try:
+        monkeypatch.setenv("ACCELERATE_LOG_LEVEL", "debug")
+        logger = get_logger("mpaccel.test.env")
+        assert logger.logger.level == logging.DEBUG  # as Accelerate's get_logger
+        monkeypatch.setenv("MPACCEL_LOG_LEVEL", "error")  # mpaccel's own name comes first
+        assert get_logger("mpaccel.test.env2").logger.level == logging.ERROR
+        with caplog.at_level(logging.WARNING, logger="mpaccel.test.env"):
+            for _ in range(3):
+                logger.warning_once("said once", main_process_only=False)
+            logger.warning_once("another", main_process_only=False)
+        assert [r.getMessage() for r in caplog.records] == ["said once", "another"]
+    finally:
+        logging.getLogger().setLevel(root_level)
 
 
 class _Recorder(GeneralTracker):
