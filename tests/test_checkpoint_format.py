@@ -242,6 +242,65 @@ def test_numpy_scalars_come_back_with_their_type(mpi_tmp_path, comm):
     assert back["c"] == -np.inf and np.isnan(back["d"])
 
 
+def test_containers_and_tensors_come_back_as_their_own_type(mpi_tmp_path, comm):
+    """A Counter (MultiStepLR's milestones), torch.Size, nn.Parameter and requires_grad come
+    back as they went in (they came back as dict, tuple, a plain tensor without grad: a resumed
+    MultiStepLR then failed, a registered learnable tensor stopped learning)."""
+    import collections
+
+    state = {
+        "milestones": collections.Counter({2: 1, 4: 2}),
+        "size": torch.Size([2, 3]),
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "frozen": torch.nn.Parameter(torch.ones(1), requires_grad=False),
+        "learnable": torch.ones(2, requires_grad=True),
+        "plain": torch.ones(2),
+        "ordered": collections.OrderedDict(b=1, a=2),  # a dict, in the same order
+    }
+    _save(mpi_tmp_path / "types", state)
+    loaded = _load(mpi_tmp_path / "types")
+    assert type(loaded["milestones"]) is collections.Counter
+    assert loaded["milestones"] == state["milestones"]
+    assert type(loaded["size"]) is torch.Size and loaded["size"] == state["size"]
+    assert type(loaded["param"]) is torch.nn.Parameter and loaded["param"].requires_grad
+    assert type(loaded["frozen"]) is torch.nn.Parameter and not loaded["frozen"].requires_grad
+    assert loaded["learnable"].requires_grad and not loaded["plain"].requires_grad
+    assert list(loaded["ordered"]) == ["b", "a"]
+
+
+def test_a_resumed_multistep_scheduler_keeps_working(mpi_tmp_path, comm):
+    def build():
+        reset_state()
+        acc = Accelerator()
+        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4], gamma=0.5)
+        return acc, acc.prepare(opt, sched)
+
+    acc, (opt, sched) = build()
+    acc.save_state(mpi_tmp_path / "multistep")
+    acc, (opt, sched) = build()
+    acc.load_state(mpi_tmp_path / "multistep")
+    assert type(sched.scheduler.milestones) is __import__("collections").Counter
+    sched.scheduler._get_closed_form_lr()  # Counter.elements(): AttributeError on a dict
+
+
+def test_subclasses_that_would_come_back_as_their_base_type_are_refused():
+    import collections
+    import enum
+
+    class Level(enum.IntEnum):
+        LOW = 1
+
+    cases = {
+        "named tuple": (collections.namedtuple("Pair", "a b")(1, 2), "plain tuple"),
+        "IntEnum": (Level.LOW, "plain int"),
+        "defaultdict": (collections.defaultdict(int, a=1), "plain dict"),
+    }
+    for value, base in cases.values():
+        with pytest.raises(CheckpointError, match=rf"at key c/v: it would come back as a {base}"):
+            flatten({"v": value}, "c")
+
+
 # -- what a checkpoint refuses -----------------------------------------------------------------
 
 def _quantized():

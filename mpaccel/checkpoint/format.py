@@ -10,6 +10,7 @@ written.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -211,12 +212,17 @@ def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
     def walk(value: Any, path: str, steps: tuple) -> Any:
         if _is_array(value):
             _check_array(value, prefix, path)
-            entry = {
+            entry: dict[str, Any] = {
                 "__tensor__": path or "value",
                 "__kind__": "torch" if torch.is_tensor(value) else "numpy",
             }
+            if isinstance(value, torch.nn.Parameter):
+                entry["__parameter__"] = bool(value.requires_grad)
+            elif torch.is_tensor(value) and value.requires_grad:
+                entry["__requires_grad__"] = True
             found.append((entry, steps, value))
             return entry
+        _check_exact_type(value, prefix, path)
         # before bool/str/int/float: np.float64 is a float and np.str_ a str, and their type
         # must come back
         if isinstance(value, np.generic):
@@ -232,7 +238,8 @@ def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
         if isinstance(value, torch.dtype):
             return {"__torch_dtype__": dtype_name(value)}
         if isinstance(value, Mapping):
-            if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            kind = _MAPPING_TAGS.get(type(value))
+            if kind is None and all(isinstance(k, str) and not k.startswith("__") for k in value):
                 return {
                     k: walk(v, f"{path}.{k}" if path else k, (*steps, ("key", k)))
                     for k, v in value.items()
@@ -246,13 +253,12 @@ def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
                     )
                 child = walk(v, f"{path}.{k}" if path else str(k), (*steps, ("key", k)))
                 items.append([k, child])
-            return {"__items__": items}
+            return {"__items__": items, **({"__type__": kind} if kind else {})}
         if isinstance(value, tuple):
-            return {
-                "__tuple__": [
-                    walk(v, f"{path}.{i}", (*steps, ("index", i))) for i, v in enumerate(value)
-                ]
-            }
+            entries = [walk(v, f"{path}.{i}", (*steps, ("index", i))) for i, v in enumerate(value)]
+            if isinstance(value, torch.Size):
+                return {"__tuple__": entries, "__type__": "torch.Size"}
+            return {"__tuple__": entries}
         if isinstance(value, list):
             return [walk(v, f"{path}.{i}", (*steps, ("index", i))) for i, v in enumerate(value)]
         raise CheckpointError(
@@ -263,6 +269,31 @@ def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
 
     document = walk(tree, "", ())
     return document, _name_tensors(found, prefix)
+
+
+# Containers of these types come back as themselves (tagged "__type__"): MultiStepLR keeps its
+# milestones in a Counter, and calls Counter methods on it after a load.
+_MAPPING_TAGS: dict[type, str] = {collections.Counter: "Counter"}
+_MAPPINGS = {tag: kind for kind, tag in _MAPPING_TAGS.items()}
+# Stored as they are. An OrderedDict (every module's state_dict) comes back as a dict, which
+# keeps its order too.
+_PLAIN = (bool, int, float, str, dict, list, tuple, type(None), collections.OrderedDict)
+
+
+def _check_exact_type(value: Any, prefix: str, path: str) -> None:
+    """Refuse a subclass of a plain type that is not known to come back as itself (a named
+    tuple, an IntEnum, a defaultdict...): it would be loaded as its base type, silently."""
+    if isinstance(value, np.generic) or type(value) in _PLAIN or type(value) in _MAPPING_TAGS:
+        return
+    if isinstance(value, torch.Size) or not isinstance(value, (*_PLAIN, Mapping)):
+        return  # torch.Size is tagged; anything else is refused (or stored) further on
+    base = next(kind for kind in (*_PLAIN, Mapping) if isinstance(value, kind))
+    raise CheckpointError(
+        f"cannot store {type(value).__name__} {value!r:.80} at key {prefix}/{path}: it would "
+        f"come back as a plain {getattr(base, '__name__', base)}",
+        "store it as the plain type in state_dict() and rebuild it in load_state_dict() "
+        "(mpaccel keeps Counter and torch.Size as they are).",
+    )
 
 
 def _name_tensors(found: list[tuple[dict[str, Any], tuple, Any]], prefix: str) -> dict[str, Any]:
@@ -313,11 +344,21 @@ def unflatten(document: Any, load: Any) -> Any:
         if not isinstance(value, dict):
             return value
         if "__tensor__" in value:
-            return load(value["__tensor__"], value.get("__kind__", "torch"))
+            tensor = load(value["__tensor__"], value.get("__kind__", "torch"))
+            if not torch.is_tensor(tensor):  # an array, or no tensor (a walk over the names)
+                return tensor
+            if "__parameter__" in value and not isinstance(tensor, torch.nn.Parameter):
+                return torch.nn.Parameter(tensor, requires_grad=value["__parameter__"])
+            if value.get("__requires_grad__") and not tensor.requires_grad:
+                return tensor.requires_grad_(True)
+            return tensor
         if "__tuple__" in value:
-            return tuple(walk(v) for v in value["__tuple__"])
+            entries = tuple(walk(v) for v in value["__tuple__"])
+            return torch.Size(entries) if value.get("__type__") == "torch.Size" else entries
         if "__items__" in value:
-            return {k: walk(v) for k, v in value["__items__"]}
+            items = {k: walk(v) for k, v in value["__items__"]}
+            kind = _MAPPINGS.get(value.get("__type__", ""))
+            return kind(items) if kind is not None else items
         if "__float__" in value:
             # np.float64 NaN and infinities were once written here as repr(): under numpy 2,
             # "np.float64(nan)"
