@@ -75,6 +75,26 @@ def test_export_to_safetensors(saved, tmp_path):
     assert run.returncode == 0 and "model_0" in run.stdout
 
 
+def test_export_names_the_keys_safetensors_cannot_hold(tmp_path):
+    pytest.importorskip("safetensors")
+
+    class WithExtra(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"calibration": 3}
+
+        def set_extra_state(self, state):
+            pass
+
+    AcceleratorState._reset_state(True)
+    acc = Accelerator()
+    acc.save_model(WithExtra(2, 2), tmp_path / "model")
+    run = _cli("export", str(tmp_path / "model"), "--output", str(tmp_path / "w.safetensors"))
+    assert run.returncode == 1
+    assert "1 key(s) hold other values ('_extra_state')" in run.stderr, run.stderr
+    assert "HINT" in run.stderr
+    AcceleratorState._reset_state(True)
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     run = _cli("ls", str(tmp_path))
     assert run.returncode == 1 and "holds no committed checkpoint" in run.stderr

@@ -84,7 +84,14 @@ def run_export(args: argparse.Namespace) -> int:
         tree = reader.component(component)
     tensors = {k: v for k, v in tree.items() if hasattr(v, "shape")}
     if len(tensors) != len(tree):
-        raise CheckpointError(f"{component!r} is not a flat state_dict of tensors")
+        others = [str(k) for k in tree if k not in tensors]
+        shown = ", ".join(repr(k) for k in others[:5]) + (" ..." if len(others) > 5 else "")
+        raise CheckpointError(
+            f"{component!r} is not a flat state_dict of tensors: {len(others)} key(s) hold "
+            f"other values ({shown})",
+            "safetensors files hold tensors only; a module's get_extra_state() (an "
+            "'_extra_state' key) cannot be exported: load the checkpoint with mpaccel instead.",
+        )
     out = args.output or os.path.join(args.directory, f"{component}.safetensors")
     save_file({k: v.contiguous() for k, v in tensors.items()}, out, metadata={"format": "pt"})
     print(f"wrote {len(tensors)} tensors of {component!r} to {out}")
