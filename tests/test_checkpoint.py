@@ -343,6 +343,37 @@ def _corrupt_one_byte(directory):
     return shard, name
 
 
+def test_an_edited_index_is_caught_like_a_corrupted_tensor(mpi_tmp_path, comm):
+    """Learning rates, steps and positions live only in the JSON index: a one-character change
+    there (lr 0.01 -> 0.03) fails load_state on every rank and `mpaccel ckpt verify`, as a
+    flipped byte in a shard does (it loaded silently)."""
+    acc, model, opt, sched, loader, progress = _setup()
+    acc.save_state(mpi_tmp_path / "edited")
+    index = mpi_tmp_path / "edited" / "state.index.json"
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        text = index.read_text()
+        assert '"lr": 0.01' in text
+        index.write_text(text.replace('"lr": 0.01', '"lr": 0.03', 1))
+    acc.wait_for_everyone()
+    with pytest.raises(CheckpointError, match="does not match its checksum") as info:
+        acc.load_state(mpi_tmp_path / "edited")
+    assert info.value.failed_ranks == list(range(comm.size))
+    assert opt.param_groups[0]["lr"] == 1e-2
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        CheckpointReader(str(mpi_tmp_path / "edited"), "state")
+    # an index of an earlier version, without its digest, still loads
+    acc.save_state(mpi_tmp_path / "old")
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        old = mpi_tmp_path / "old" / "state.index.json"
+        document = json.loads(old.read_text())
+        del document["index_xxh3"]
+        old.write_text(json.dumps(document))
+    acc.wait_for_everyone()
+    acc.load_state(mpi_tmp_path / "old")
+
+
 def test_errors_are_raised_on_every_rank(mpi_tmp_path, comm):
     acc, model, opt, sched, loader, progress = _setup()
     good = mpi_tmp_path / "good"

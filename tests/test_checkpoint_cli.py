@@ -60,6 +60,14 @@ def test_verify_detects_a_flipped_byte(saved):
     assert "checksum mismatch" in run.stderr and "FAILED" in run.stdout
 
 
+def test_verify_detects_an_edited_index(saved):
+    root, _ = saved
+    index = root / "state" / "state.index.json"
+    index.write_text(index.read_text().replace('"lr": 0.1', '"lr": 0.3', 1))
+    run = _cli("verify", str(root / "state"))
+    assert run.returncode == 1 and "does not match its checksum" in run.stderr, run.stderr
+
+
 def test_export_to_safetensors(saved, tmp_path):
     pytest.importorskip("safetensors")
     from safetensors.torch import load_file

@@ -11,6 +11,7 @@ written.
 from __future__ import annotations
 
 import collections
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -121,6 +122,19 @@ def from_numpy(array: np.ndarray, name: str) -> torch.Tensor:
 def checksum(array: np.ndarray) -> str:
     """xxh3-64 of the array's bytes (about 20 GB/s: cheap next to the disk)."""
     return xxhash.xxh3_64(byte_view(contiguous(array))).hexdigest()
+
+
+INDEX_DIGEST = "index_xxh3"
+
+
+def index_digest(index: Mapping[str, Any]) -> str:
+    """xxh3-64 of the index without its own digest, as canonical JSON (sorted keys, no spaces,
+    after a JSON round trip, so that a written and a read index give the same text): the
+    non-tensor state (learning rates, steps, positions) lives only in the index, and a change
+    to it is caught as a change to a tensor's bytes is."""
+    body = json.loads(json.dumps({k: v for k, v in index.items() if k != INDEX_DIGEST}))
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_64(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _is_array(value: Any) -> bool:

@@ -18,12 +18,14 @@ from . import rawio
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    INDEX_DIGEST,
     CheckpointError,
     checksum,
     dataset_name,
     dtype_name,
     flatten,
     from_numpy,
+    index_digest,
     storage_dtype,
     to_numpy,
     unflatten,
@@ -81,6 +83,14 @@ class CheckpointReader:
                 f"{path!r} has format version {self.index['format_version']}; this mpaccel "
                 f"reads up to {FORMAT_VERSION}",
                 "upgrade mpaccel to read it.",
+            )
+        saved = self.index.get(INDEX_DIGEST)  # (indexes of earlier versions have none)
+        if saved is not None and saved != index_digest(self.index):
+            raise CheckpointError(
+                f"{path!r} does not match its checksum: the index (which holds the state's "
+                "non-tensor values: learning rates, steps, positions) was changed after the "
+                "save, or is corrupted",
+                "restore it from a copy, or load an earlier checkpoint.",
             )
         self._files: dict[str, h5py.File] = {}
         self._raw_fds: dict[str, int] = {}

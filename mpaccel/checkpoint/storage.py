@@ -33,6 +33,7 @@ from . import rawio
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    INDEX_DIGEST,
     CheckpointCollectiveError,
     CheckpointError,
     checksum,
@@ -40,6 +41,7 @@ from .format import (
     dataset_name,
     dtype_name,
     flatten,
+    index_digest,
     to_numpy,
 )
 from .sink import ErrorKeepingFile
@@ -361,6 +363,7 @@ def write_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
     file is removed. The caller fsyncs the directory."""
     final = os.path.join(directory, f"{stem}.index.json")
     temp = f"{final}.tmp-{index['save_id']}"
+    index = {**index, INDEX_DIGEST: index_digest(index)}
     try:
         with open(temp, "w") as f:
             json.dump(index, f, indent=1)
