@@ -37,8 +37,8 @@ def _pad(share: Any, last: Any, missing: int) -> Any:
         return np.concatenate([share, np.repeat(last[None], missing, axis=0)])
     if isinstance(share, tuple):
         return share + (last,) * missing
-    if isinstance(share, list):
-        return share + [last] * missing
+    if isinstance(share, (list, range)):  # a range (of indices) becomes a list
+        return list(share) + [last] * missing
     raise TypeError(f"cannot pad a {type(share).__name__} share; use a list, tuple or tensor")
 
 

@@ -476,6 +476,12 @@ def test_split_tensors_arrays_and_dicts(state, comm):
     for kind in (Batch, collections.OrderedDict):
         with state.split_between_processes(kind(x=[1, 2, 3, 4])) as mine:
             assert type(mine) is kind and mine["x"] == d["x"]
+    # indices split alongside, padded too (docs/process-control.md), to drop repeats later
+    items = [f"p{i}" for i in range(5)]
+    with state.split_between_processes({"i": range(5), "x": items}, apply_padding=True) as mine:
+        assert len(mine["i"]) == len(mine["x"]) == -(-5 // n)
+        pairs = [p for part in comm.allgather(list(zip(mine["i"], mine["x"]))) for p in part]
+    assert dict(pairs) == dict(enumerate(items))
     with state.split_between_processes([]) as empty:
         assert empty == []
 
