@@ -77,12 +77,17 @@ class TensorBoardTracker(GeneralTracker):
         logging call does not end a training run (the main process alone would stop)."""
         for key, value in values.items():
             number = _number(value)
+            # each value read once (.item() of a GPU tensor waits for the device)
+            scalars = (
+                {str(k): _number(v) for k, v in value.items()}
+                if isinstance(value, Mapping)
+                else None
+            )
             if number is not None:
                 self.writer.add_scalar(key, number, global_step=step, **kwargs)
             elif isinstance(value, str):
                 self.writer.add_text(key, value, global_step=step, **kwargs)
-            elif isinstance(value, Mapping) and all(_number(v) is not None for v in value.values()):
-                scalars = {str(k): _number(v) for k, v in value.items()}
+            elif scalars is not None and None not in scalars.values():
                 self.writer.add_scalars(key, scalars, global_step=step, **kwargs)
             else:
                 warnings.warn(

@@ -269,6 +269,8 @@ def test_containers_and_tensors_come_back_as_their_own_type(mpi_tmp_path, comm):
 
 
 def test_a_resumed_multistep_scheduler_keeps_working(mpi_tmp_path, comm):
+    import collections
+
     def build():
         reset_state()
         acc = Accelerator()
@@ -280,7 +282,7 @@ def test_a_resumed_multistep_scheduler_keeps_working(mpi_tmp_path, comm):
     acc.save_state(mpi_tmp_path / "multistep")
     acc, (opt, sched) = build()
     acc.load_state(mpi_tmp_path / "multistep")
-    assert type(sched.scheduler.milestones) is __import__("collections").Counter
+    assert type(sched.scheduler.milestones) is collections.Counter
     sched.scheduler._get_closed_form_lr()  # Counter.elements(): AttributeError on a dict
 
 

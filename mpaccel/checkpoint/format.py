@@ -297,11 +297,13 @@ _PLAIN = (bool, int, float, str, dict, list, tuple, type(None), collections.Orde
 def _check_exact_type(value: Any, prefix: str, path: str) -> None:
     """Refuse a subclass of a plain type that is not known to come back as itself (a named
     tuple, an IntEnum, a defaultdict...): it would be loaded as its base type, silently."""
-    if isinstance(value, np.generic) or type(value) in _PLAIN or type(value) in _MAPPING_TAGS:
+    if type(value) in _PLAIN or type(value) in _MAPPING_TAGS:
         return
-    if isinstance(value, torch.Size) or not isinstance(value, (*_PLAIN, Mapping)):
-        return  # torch.Size is tagged; anything else is refused (or stored) further on
-    base = next(kind for kind in (*_PLAIN, Mapping) if isinstance(value, kind))
+    if isinstance(value, (np.generic, torch.Size)):
+        return  # tagged further on
+    base = next((kind for kind in (*_PLAIN, Mapping) if isinstance(value, kind)), None)
+    if base is None:
+        return  # not a plain type at all: stored (tensors, dtypes) or refused further on
     raise CheckpointError(
         f"cannot store {type(value).__name__} {value!r:.80} at key {prefix}/{path}: it would "
         f"come back as a plain {getattr(base, '__name__', base)}",

@@ -239,12 +239,12 @@ def read_back(
     ]
     shared += [(c, None) for c in [*others, "scaler", "accelerator"] if c in documents]
     read(lambda: reader.read_components(shared))  # one pass over the files, not one per component
+    strict = bool((model_options or {}).get("strict", True))
     for name, live in shared:
         if name.startswith("model_") and name in trees and not first:
             # What load_state_dict(strict=True) would refuse in phase 2, refused here, before
             # any rank applies anything (a rank whose model differs must not be the only one
             # left without the checkpoint's RNG states, step, scheduler...)
-            strict = bool((model_options or {}).get("strict", True))
             _check_model(name, live, trees[name], directory, strict)
     same_world = reader.world_size == accelerator.num_processes
     source = rank if same_world else 0
