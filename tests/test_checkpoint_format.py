@@ -242,6 +242,31 @@ def test_numpy_scalars_come_back_with_their_type(mpi_tmp_path, comm):
     assert back["c"] == -np.inf and np.isnan(back["d"])
 
 
+def test_non_finite_float_keys_are_tagged_not_written_as_bare_nan(mpi_tmp_path, comm):
+    """A dict keyed by floats, NaN and infinities among them (a histogram's bin edges), loads
+    back with the same keys, and the index stays JSON (it held bare NaN / Infinity, which
+    strict parsers and other languages reject)."""
+    import math
+
+    state = {"edges": {0.5: 1, float("inf"): 2, float("-inf"): 3, float("nan"): 4, 2: 5}}
+    _save(mpi_tmp_path / "keys", state)
+    loaded = _load(mpi_tmp_path / "keys")["edges"]
+    assert list(loaded.values()) == [1, 2, 3, 4, 5]
+    keys = list(loaded)
+    assert keys[:3] == [0.5, math.inf, -math.inf] and math.isnan(keys[3]) and keys[4] == 2
+    assert all(type(k) is float for k in keys[:4]) and type(keys[4]) is int
+
+    def no_constant(name):
+        raise AssertionError(f"{name} in the index")
+
+    json.loads((mpi_tmp_path / "keys" / "state.index.json").read_text(),
+               parse_constant=no_constant)
+    # an index written before: the keys bare
+    old = unflatten(json.loads('{"__items__": [[NaN, 1], [-Infinity, 2]]}'), None)
+    first, second = old
+    assert math.isnan(first) and second == -math.inf
+
+
 def test_containers_and_tensors_come_back_as_their_own_type(mpi_tmp_path, comm):
     """A Counter (MultiStepLR's milestones), torch.Size, nn.Parameter and requires_grad come
     back as they went in (they came back as dict, tuple, a plain tensor without grad: a resumed

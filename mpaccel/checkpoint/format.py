@@ -266,7 +266,9 @@ def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
                         "keys must be str, int, float, bool or None.",
                     )
                 child = walk(v, f"{path}.{k}" if path else str(k), (*steps, ("key", k)))
-                items.append([k, child])
+                # a NaN or infinite key is tagged as a value is (JSON has no such number)
+                key = k if not isinstance(k, float) or math.isfinite(k) else {"__float__": repr(k)}
+                items.append([key, child])
             return {"__items__": items, **({"__type__": kind} if kind else {})}
         if isinstance(value, tuple):
             entries = [walk(v, f"{path}.{i}", (*steps, ("index", i))) for i, v in enumerate(value)]
@@ -372,7 +374,7 @@ def unflatten(document: Any, load: Any) -> Any:
             entries = tuple(walk(v) for v in value["__tuple__"])
             return torch.Size(entries) if value.get("__type__") == "torch.Size" else entries
         if "__items__" in value:
-            items = {k: walk(v) for k, v in value["__items__"]}
+            items = {walk(k): walk(v) for k, v in value["__items__"]}
             kind = _MAPPINGS.get(value.get("__type__", ""))
             return kind(items) if kind is not None else items
         if "__float__" in value:

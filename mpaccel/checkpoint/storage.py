@@ -366,7 +366,7 @@ def write_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
     index = {**index, INDEX_DIGEST: index_digest(index)}
     try:
         with open(temp, "w") as f:
-            json.dump(index, f, indent=1)
+            json.dump(index, f, indent=1, allow_nan=False)  # non-finite floats are tagged
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, final)
