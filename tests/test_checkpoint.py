@@ -602,6 +602,71 @@ def test_a_tied_model_loads_an_untied_checkpoint_as_torch_does(mpi_tmp_path, com
     assert torch.equal(inner.emb.weight, saved["head.weight"])
 
 
+def _stored(directory, stem):
+    with open(os.path.join(directory, f"{stem}.index.json")) as f:
+        return json.load(f)["tensors"]
+
+
+def test_tied_weights_are_stored_once_and_come_back_tied(mpi_tmp_path, comm, monkeypatch):
+    """An embedding tied to the output layer (GPT-2, T5, small Llamas) was written twice by
+    save_model and save_state (a quarter of a small LLM's checkpoint, for nothing). Stored once
+    now; both keys load, sharing memory as torch.load gives them, into a tied model in place
+    (still tied), into an untied one, and from a background save."""
+    reset_state()
+    acc = Accelerator()
+    torch.manual_seed(0)
+    model = acc.prepare(_Tied(tie=True))
+    inner = acc.unwrap_model(model)
+    saved = {k: v.clone() for k, v in inner.state_dict().items()}
+    acc.save_state(mpi_tmp_path / "plain")  # for the untied model below (no optimizer)
+    acc.prepare(torch.optim.AdamW(model.parameters(), lr=0.1))
+    acc.save_model(model, mpi_tmp_path / "model")
+    acc.save_state(mpi_tmp_path / "state")
+    acc.save_state(mpi_tmp_path / "async", async_save=True)
+    acc.wait_for_checkpoint()
+    assert list(_stored(mpi_tmp_path / "model", "model")) == ["model/emb.weight"]
+    for name in ("state", "async"):
+        stored = _stored(mpi_tmp_path / name, "state")
+        assert [k for k in stored if k.startswith("model_0/")] == ["model_0/emb.weight"], name
+
+    loaded = load_model_state(mpi_tmp_path / "model")
+    assert list(loaded) == ["emb.weight", "head.weight"]
+    assert loaded["head.weight"].data_ptr() == loaded["emb.weight"].data_ptr()
+    assert torch.equal(loaded["head.weight"], saved["head.weight"])
+    for tie in (True, False):
+        fresh = _Tied(tie=tie)
+        fresh.load_state_dict(loaded)
+        assert torch.equal(fresh.head.weight, saved["head.weight"]), tie
+        assert torch.equal(fresh.emb.weight, saved["emb.weight"]), tie
+
+    for name in ("state", "async"):
+        with torch.no_grad():
+            inner.emb.weight.zero_()
+        where = inner.emb.weight.data_ptr()
+        acc.load_state(mpi_tmp_path / name)
+        assert inner.head.weight is inner.emb.weight, name
+        assert inner.emb.weight.data_ptr() == where, name  # read in place
+        assert torch.equal(inner.emb.weight, saved["emb.weight"]), name
+
+    reset_state()
+    acc = Accelerator()
+    untied = acc.prepare(_Tied(tie=False))
+    wanted = []
+    read_arrays = CheckpointReader.read_arrays
+
+    def spy(self, items, *args, **kwargs):
+        wanted.extend(key for key, *_ in items)
+        return read_arrays(self, items, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointReader, "read_arrays", spy)
+    acc.load_state(mpi_tmp_path / "plain")
+    assert wanted.count("model_0/emb.weight") == 1, wanted  # one dataset, read once
+    inner = acc.unwrap_model(untied)
+    assert inner.head.weight is not inner.emb.weight
+    assert torch.equal(inner.head.weight, saved["head.weight"])
+    assert torch.equal(inner.emb.weight, saved["emb.weight"])
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_model_that_differs_on_one_rank_fails_the_load_before_any_rank_applies_it(
     mpi_tmp_path, comm

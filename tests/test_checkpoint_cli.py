@@ -118,3 +118,33 @@ def test_ls_into_a_closed_pipe_stops_quietly(saved):
     stderr = proc.stderr.read()
     assert proc.wait(timeout=120) == 1
     assert stderr == ""
+
+
+def test_ls_and_export_of_tied_weights(tmp_path):
+    """Tied weights are stored once: ls shows which keys share the dataset; export writes both
+    keys (safetensors refuses tensors that share memory, and a strict load_state_dict needs
+    both)."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+    from test_checkpoint import _Tied
+
+    AcceleratorState._reset_state(True)
+    acc = Accelerator()
+    torch.manual_seed(0)
+    model = _Tied(tie=True)
+    acc.save_model(model, tmp_path / "model")
+    run = _cli("ls", str(tmp_path / "model"))
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split()[0] for line in lines[2:-2]] == ["model/emb.weight"], lines
+    assert lines[-2] == "stored once for several keys: model/emb.weight (emb.weight, head.weight)"
+    assert lines[-1] == "1 tensors, 3.1 KiB in 1 shard(s)"
+    out = tmp_path / "w.safetensors"
+    run = _cli("export", str(tmp_path / "model"), "--output", str(out))
+    assert run.returncode == 0, run.stderr
+    loaded = load_file(str(out))
+    assert loaded.keys() == {"emb.weight", "head.weight"}
+    fresh = _Tied(tie=False)
+    fresh.load_state_dict(loaded)
+    assert torch.equal(fresh.head.weight, model.head.weight)
+    AcceleratorState._reset_state(True)

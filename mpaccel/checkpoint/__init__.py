@@ -127,14 +127,20 @@ def _resolve_output(accelerator: Any, output_dir: str | None) -> str:
 
 def _snapshot(trees: dict[str, Any]) -> dict[str, Any]:
     """{component: tree} deep-copied, every tensor cloned to host memory (for a save in the
-    background). Errors name the component and key, as a synchronous save's do."""
+    background), tied tensors once (so the copies stay tied, and are stored once). Errors name
+    the component and key, as a synchronous save's do."""
     out = {}
     for component, tree in trees.items():
         document, tensors = flatten(tree, component)
+        copies: dict[str, Any] = {}
 
-        def load(name: str, kind: str, tensors: dict[str, Any] = tensors) -> Any:
-            value = tensors[name]
-            return value.copy() if kind == "numpy" else value.detach().to("cpu", copy=True)
+        def load(name: str, kind: str, tensors: dict[str, Any] = tensors,
+                 copies: dict[str, Any] = copies) -> Any:
+            if name not in copies:
+                value = tensors[name]
+                copies[name] = (value.copy() if kind == "numpy"
+                                else value.detach().to("cpu", copy=True))
+            return copies[name]
 
         out[component] = unflatten(document, load)
     return out

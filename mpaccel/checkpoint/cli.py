@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 
-from .format import CheckpointError
+from .format import CheckpointError, dataset_name, unflatten
 from .reader import CheckpointReader
 
 STEMS = ("state", "model")
@@ -49,6 +50,8 @@ def run_ls(args: argparse.Namespace) -> int:
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        for line in _tied(index):
+            print(line)
         total = sum(entry["nbytes"] for entry in index["tensors"].values())
         shards = len(index["shards"])
         summary = f"{len(index['tensors'])} tensors, {_size(total)} in {shards} shard(s)"
@@ -57,6 +60,21 @@ def run_ls(args: argparse.Namespace) -> int:
             summary += f"; {own} per-rank tensors in {len(index['per_rank'])} per-rank file(s)"
         print(summary)
     return 0
+
+
+def _tied(index: dict) -> list[str]:
+    """Lines naming the datasets stored once for several keys (tied weights), with the keys."""
+    lines = []
+    for component, document in index["components"].items():
+        uses: collections.Counter[str] = collections.Counter()
+        tree = unflatten(document, lambda name, kind, uses=uses: uses.update([name]) or name)
+        for name, count in uses.items():
+            if count < 2:
+                continue
+            keys = [str(k) for k, v in tree.items() if v == name] if isinstance(tree, dict) else []
+            which = ", ".join(keys) if len(keys) == count else f"{count} keys"
+            lines.append(f"stored once for several keys: {dataset_name(component, name)} ({which})")
+    return lines
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -93,7 +111,15 @@ def run_export(args: argparse.Namespace) -> int:
             "'_extra_state' key) cannot be exported: load the checkpoint with mpaccel instead.",
         )
     out = args.output or os.path.join(args.directory, f"{component}.safetensors")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out, metadata={"format": "pt"})
+    # tied weights load as one tensor under several keys; safetensors refuses tensors that share
+    # memory, and a strict load_state_dict needs every key: each key gets its own copy
+    seen: set[int] = set()
+    flat = {}
+    for k, v in tensors.items():
+        memory = v.untyped_storage().data_ptr()
+        flat[k] = v.clone() if memory and memory in seen else v.contiguous()
+        seen.add(memory)
+    save_file(flat, out, metadata={"format": "pt"})
     print(f"wrote {len(tensors)} tensors of {component!r} to {out}")
     return 0
 

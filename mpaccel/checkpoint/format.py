@@ -326,7 +326,12 @@ def _name_tensors(found: list[tuple[dict[str, Any], tuple, Any]], prefix: str) -
         counts[link] = counts.get(link, 0) + 1
     tensors: dict[str, Any] = {}
     taken: dict[str, tuple] = {}
+    same: dict[tuple, str] = {}  # a view's identity -> the name it was stored under
     for entry, steps, value in found:
+        view = _identity(value)
+        if view is not None and view in same:
+            entry["__tensor__"] = same[view]  # tied weights: stored once, loaded for both keys
+            continue
         name = entry["__tensor__"]
         if counts[_link(name)] > 1 or name == "." or "\x00" in name:
             digest = xxhash.xxh3_64(repr(steps).encode()).hexdigest()[:8]
@@ -340,7 +345,21 @@ def _name_tensors(found: list[tuple[dict[str, Any], tuple, Any]], prefix: str) -
             )
         taken[link] = steps
         tensors[name] = value
+        if view is not None:
+            same[view] = name
     return tensors
+
+
+def _identity(value: Any) -> tuple | None:
+    """What makes two tensors the same view of the same memory (tied weights: a state_dict holds
+    two tensor objects for them); None for arrays and tensors without memory of their own."""
+    if not torch.is_tensor(value) or value.layout != torch.strided or value.is_meta:
+        return None
+    pointer = value.untyped_storage().data_ptr()
+    if not pointer:
+        return None
+    return (str(value.device), pointer, value.storage_offset(), value.dtype,
+            tuple(value.shape), value.stride(), value.is_conj(), value.is_neg())
 
 
 def _link(name: str) -> str:

@@ -304,7 +304,7 @@ class CheckpointReader:
         unflatten(document, lambda name, kind: names.append(name))
         wanted = []
         reuse: dict[str, tuple[Any, np.ndarray]] = {}
-        for name in names:
+        for name in dict.fromkeys(names):  # tied weights: one dataset for several keys
             key = dataset_name(component, name)
             entry = entries.get(key)
             if entry is None:
