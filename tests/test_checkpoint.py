@@ -825,6 +825,30 @@ def test_async_save_snapshots_and_commits(mpi_tmp_path, comm):
     assert _params(acc, model).abs().sum() == 0
 
 
+def test_an_async_save_records_its_own_checkpoint_number(mpi_tmp_path, comm, monkeypatch):
+    """The background writer took the checkpoint number from the live ProjectConfiguration,
+    which the caller had already moved on to the next save's when the thread started late."""
+    import time
+
+    from mpaccel.checkpoint import AsyncSaver
+
+    start = AsyncSaver.start
+    monkeypatch.setattr(AsyncSaver, "start",
+                        lambda self, target: start(self, lambda: (time.sleep(0.2), target())))
+    reset_state()
+    config = ProjectConfiguration(project_dir=str(mpi_tmp_path / "p"),
+                                  automatic_checkpoint_naming=True, total_limit=5)
+    acc = Accelerator(project_config=config)
+    acc.prepare(torch.nn.Linear(64, 64))
+    for _ in range(3):
+        acc.save_state(async_save=True)
+    acc.wait_for_checkpoint()
+    for number in range(3):
+        directory = mpi_tmp_path / "p" / "checkpoints" / f"checkpoint_{number}"
+        with CheckpointReader(str(directory), "state") as reader:
+            assert reader.index["metadata"]["iteration"] == number
+
+
 def test_reader_verify_and_listing(mpi_tmp_path, comm):
     acc, *_ = _setup()
     acc.save_state(mpi_tmp_path / "v")

@@ -251,17 +251,17 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
     named = f"checkpoint {target!r}" if target else "a checkpoint"
     comm.agree(error, f"saving {named} (collecting the state)", kind=CheckpointCollectiveError)
 
+    # what the writer needs of the configuration, as it is now: in the background it would
+    # read the next save's number (and whatever the caller changes meanwhile)
+    metadata = {"kind": "state", "iteration": config.iteration}
+    rotation = None
+    if config.automatic_checkpoint_naming:
+        rotation = (config.project_dir, config.total_limit)
+
     def write(comm: Any) -> None:
-        write_checkpoint(
-            comm,
-            directory,
-            STATE_STEM,
-            shared,
-            per_rank,
-            metadata={"kind": "state", "iteration": config.iteration},
-        )
-        if config.automatic_checkpoint_naming and comm.rank == 0:
-            rotate(config.project_dir, config.total_limit)
+        write_checkpoint(comm, directory, STATE_STEM, shared, per_rank, metadata=metadata)
+        if rotation is not None and comm.rank == 0:
+            rotate(*rotation)
 
     if async_save:
         background = saver.comm_for(accelerator)
