@@ -695,3 +695,69 @@ def test_temporary_paths_on_another_node_than_rank_0s(tmp_path):
     assert sorted(p.name for p in (tmp_path / "shared-fs").iterdir()) == [
         "rank-0", "rank-1", "shared"
     ]
+
+
+def test_a_test_past_its_deadline_ends_the_job_even_when_it_finishes_last(tmp_path):
+    """The deadline went off (TIMEOUT printed on every rank) during the last test, which then
+    finished: the run reported "1 passed" and exited 0, because the process ended before the
+    watchdog's abort."""
+    run = _run_pytest(
+        tmp_path,
+        """
+        import time, pytest
+        @pytest.mark.mpi_timeout(1)
+        def test_slow():
+            time.sleep(1.5)
+    """,
+        2,
+        timeout=120,
+    )
+    assert not run.timed_out, run.describe()
+    assert "TIMEOUT: test_throwaway.py::test_slow" in "".join(run.stderr), run.describe()
+    assert run.returncode != 0, run.describe()
+
+
+def test_a_deadline_of_zero_is_none_and_a_bad_one_a_usage_error(tmp_path):
+    run = _run_pytest(tmp_path, "import time\ndef test_a():\n    time.sleep(1.2)\n", 2,
+                      "--mpi-timeout=0", timeout=120, env={"MPACCEL_TEST_TIMEOUT": "1"})
+    assert run.returncodes == (0, 0), run.describe()
+    assert "TIMEOUT" not in "".join(run.stderr), run.describe()
+    for args, env, named in (
+        (["--mpi-timeout=-3"], None, "--mpi-timeout: -3.0 is not a time in seconds"),
+        (["-o", "mpi_timeout=abc"], None, "mpi_timeout: 'abc' is not a time in seconds"),
+        ([], {"MPACCEL_TEST_TIMEOUT": "soon"},
+         "MPACCEL_TEST_TIMEOUT: 'soon' is not a time in seconds"),
+    ):
+        run = _run_pytest(tmp_path, "def test_a():\n    pass\n", 2, *args, timeout=120, env=env)
+        assert run.returncodes == (4, 4), run.describe()
+        text = run.stdout[0] + run.stderr[0]
+        assert named in text and "Traceback" not in text, run.describe()
+        assert named not in run.stdout[1] + run.stderr[1], run.describe()  # said once
+
+
+def test_mpi_tmp_path_is_new_and_empty_for_every_test(tmp_path):
+    """Test ids that differ only in characters a file name cannot hold ("x y", "x_y", "x/y")
+    shared one directory, and a test found the files of the one before."""
+    run = _run_pytest(
+        tmp_path,
+        """
+        import pytest
+        @pytest.mark.parametrize("name", ["x y", "x_y", "x/y", "x?y"])
+        def test_fresh(name, mpi_tmp_path, comm):
+            assert list(mpi_tmp_path.iterdir()) == []
+            comm.barrier()
+            if comm.rank == 0:
+                (mpi_tmp_path / "marker").write_text(name)
+    """,
+        2,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.describe()
+    assert "4 passed" in _summary(run.stdout[0]), run.describe()
+
+
+def test_the_silenced_ranks_leak_no_file(tmp_path):
+    run = _run_pytest(tmp_path, "def test_a():\n    pass\n", 2, "-W", "error::ResourceWarning",
+                      timeout=120, env={"PYTHONWARNINGS": "error::ResourceWarning"})
+    assert run.returncodes == (0, 0), run.describe()
+    assert "ResourceWarning" not in "".join(run.stderr), run.describe()

@@ -3,7 +3,9 @@ same in a plain run (a world of one) and under MPI."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,14 +59,21 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 @pytest.fixture
 def mpi_tmp_path(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
-    """A directory that is the same on every rank (created by rank 0 before anyone uses it)."""
+    """A new, empty directory that is the same on every rank (created by rank 0 before anyone
+    uses it), one per test as tmp_path is."""
     mpi = session_of(request.config)
     if mpi is None:
         return tmp_path
-    name = _UNSAFE.sub("_", request.node.nodeid)[-120:]
-    path = mpi.base / "shared" / name
+    # Named after the test: the end of its id, made safe for a file name, then a digest of the
+    # whole id, so that ids differing only in unsafe characters, or only at their start, stay
+    # apart. Every rank computes the same name: no broadcast, whose root (rank 0) would not wait.
+    nodeid = request.node.nodeid
+    digest = hashlib.sha1(nodeid.encode()).hexdigest()[:12]
+    path = mpi.base / "shared" / f"{_UNSAFE.sub('_', nodeid)[-100:]}-{digest}"
     if mpi.rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # the same test again in this session: fresh, as tmp_path is
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
     # On mpaccel's communicator, not the plugin's: a rank that skipped or failed in an earlier
     # fixture never comes, and its alert makes this wait give up instead of hanging the test.
     mpi.job.comm.barrier("mpi_tmp_path")

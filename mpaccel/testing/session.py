@@ -73,6 +73,7 @@ class MPISession:
         self._skip_body: tuple[str, str] | None = None  # (nodeid, reason): skipped here in setup
         self._start_checked = False
         self.start_exitcode: int | None = None  # set where another rank stopped before the start
+        self._devnull: Any = None  # the silenced terminal of ranks 1..N-1
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -198,7 +199,8 @@ class MPISession:
         if reporter is not None:
             # Its own sessionstart (the header) still runs in this hook call: silence it first.
             if hasattr(reporter, "_tw"):
-                reporter._tw = TerminalWriter(open(os.devnull, "w"))
+                self._devnull = open(os.devnull, "w")  # closed in unconfigure
+                reporter._tw = TerminalWriter(self._devnull)
             config.pluginmanager.unregister(reporter)
         cache = getattr(config, "cache", None)
         if cache is not None:
@@ -306,6 +308,9 @@ class MPISession:
         from ..comm import install_alerts
 
         install_alerts(None)
+        self.watchdog.finish()  # a deadline that went off ends the job here, as it said
+        if self._devnull is not None:
+            self._devnull.close()
         # No-op where the session started; else this rank stopped in pytest_configure (or
         # there was no session on any rank: --help, --markers).
         self.check_start("stopped in pytest_configure (see this rank's output)")

@@ -3,6 +3,7 @@ thread that prints where this rank is stuck and ends the whole job when a test r
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -22,24 +23,41 @@ DEFAULT_TIMEOUT = 300.0
 
 
 def timeout_for(item: pytest.Item) -> float:
-    """The deadline of one test: its mpi_timeout marker's, else the run's."""
+    """The deadline of one test: its mpi_timeout marker's, else the run's (0: none)."""
     marker = item.get_closest_marker("mpi_timeout")
     if marker is not None and marker.args:
-        return float(marker.args[0])
+        return _seconds(marker.args[0], f"@pytest.mark.mpi_timeout of {item.nodeid}")
     return config_timeout(item.config)
 
 
 def config_timeout(config: pytest.Config) -> float:
     """The run's deadline: --mpi-timeout, else the ini option mpi_timeout, else
-    MPACCEL_TEST_TIMEOUT, else DEFAULT_TIMEOUT."""
-    for value in (
-        config.getoption("--mpi-timeout"),
-        config.getini("mpi_timeout"),
-        _env.get_float("test_timeout"),
+    MPACCEL_TEST_TIMEOUT, else DEFAULT_TIMEOUT (0: none). A value that is not a number is a
+    usage error (rank 0 says which)."""
+    for value, source in (
+        (config.getoption("--mpi-timeout"), "--mpi-timeout"),
+        (config.getini("mpi_timeout"), "the ini option mpi_timeout"),
+        (_env.get("test_timeout"), _env.source_name("test_timeout") or ""),
     ):
         if value not in (None, ""):
-            return float(value)
+            return _seconds(value, source)
     return DEFAULT_TIMEOUT
+
+
+def _seconds(value: object, source: str) -> float:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if math.isnan(seconds) or seconds < 0:
+        import pytest
+
+        from .plugin import _world_rank
+
+        text = (f"{source}: {value!r} is not a time in seconds "
+                "(a number >= 0; 0 turns the deadline off)")
+        raise pytest.UsageError(*([text] if _world_rank() == 0 else []))
+    return seconds
 
 
 class Watchdog:
@@ -58,12 +76,17 @@ class Watchdog:
         self._what = ""
         self._phase = ""
         self._main = threading.main_thread().ident
-        threading.Thread(target=self._run, name="mpaccel-pytest-watchdog", daemon=True).start()
+        self.fired = threading.Event()  # set (once) when the deadline went off
+        self._thread = threading.Thread(target=self._run, name="mpaccel-pytest-watchdog",
+                                        daemon=True)
+        self._thread.start()
 
     def arm(self, what: str, seconds: float) -> None:
+        """Start the clock for `what`; 0 (or an infinite time) means no deadline."""
         with self._lock:
             self._what, self._seconds = what, seconds
-            self._deadline = time.monotonic() + seconds
+            limited = 0 < seconds < math.inf
+            self._deadline = time.monotonic() + seconds if limited else None
             self._phase = "setup"
             self._lock.notify()
 
@@ -82,9 +105,17 @@ class Watchdog:
                     continue
                 left = self._deadline - time.monotonic()
                 if left <= 0:
+                    self.fired.set()
                     break
                 self._lock.wait(left)
         self._fire()
+
+    def finish(self) -> None:
+        """At the end of the run: if the deadline went off, wait here for the abort (the thread
+        is a daemon, and a process that ended first would report the run as it stood, e.g.
+        passed with exit code 0, after printing TIMEOUT)."""
+        if self.fired.is_set():
+            self._thread.join()
 
     def _fire(self) -> None:
         frame = sys._current_frames().get(self._main)  # type: ignore[arg-type]
