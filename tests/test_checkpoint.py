@@ -555,6 +555,27 @@ def test_buffers_are_saved_as_rank_0_has_them(mpi_tmp_path, comm):
         assert reader.component("model_0")["1.running_mean"].tolist() == means[0]
 
 
+def test_a_buffer_under_two_names_is_saved_once_as_rank_0_has_it(mpi_tmp_path, comm):
+    """A module reused under two names (self.bn2 = self.bn1) holds its buffers twice in the
+    state_dict; named_buffers() gives them once. The second name kept this rank's running
+    statistics (the shard's writer's, at N ranks) in a dataset of its own, and loading put that
+    rank's values into the model."""
+    reset_state()
+    acc = Accelerator()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    net.add_module("again", net[1])
+    model = acc.prepare(net)
+    model(torch.randn(8, 4) * (acc.process_index + 1))  # rank-dependent statistics
+    means = comm.allgather(acc.unwrap_model(model)[1].running_mean.tolist())
+    acc.save_model(model, mpi_tmp_path / "bn", max_shard_size=64)  # a shard per few tensors
+    stored = _stored(mpi_tmp_path / "bn", "model")
+    assert not [k for k in stored if k.startswith("model/again.")], list(stored)
+    saved = load_model_state(mpi_tmp_path / "bn")
+    assert saved["1.running_mean"].tolist() == means[0]
+    assert saved["again.running_mean"].data_ptr() == saved["1.running_mean"].data_ptr()
+
+
 def test_every_directory_a_save_creates_is_made_durable(tmp_path, monkeypatch):
     # A save into project/checkpoints/checkpoint_0 may create all three: each one's entry in
     # its parent must be fsynced, or a power loss can lose the committed checkpoint.

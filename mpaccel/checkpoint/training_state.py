@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .. import distributed
-from .format import CheckpointError
+from .format import CheckpointError, view_identity
 
 RNG = "rng"
 
@@ -93,24 +93,33 @@ def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
     state = module.state_dict()
     if accelerator.num_processes == 1:
         return state
-    names = [name for name, _ in module.named_buffers() if name in state]
-    layout = [(name, str(state[name].dtype), tuple(state[name].shape)) for name in names]
+    # Every name of every buffer (named_buffers() gives a buffer once, under its first name: a
+    # module reused under two names would keep this rank's values under the second), grouped
+    # by the memory they view, so that each is sent once and its names stay tied (stored once).
+    groups: dict[Any, list[str]] = {}
+    for name, _ in module.named_buffers(remove_duplicate=False):
+        if name in state:
+            groups.setdefault(view_identity(state[name]) or name, []).append(name)
+    tied = list(groups.values())
+    layout = [(names, str(state[names[0]].dtype), tuple(state[names[0]].shape)) for names in tied]
     comm = accelerator._partial.comm
     if len(set(map(repr, comm.allgather(layout, what="saving a model (its buffers)")))) > 1:
         return state  # ranks differ: the checkpoint's layout check names how, on every rank
     # As raw bytes, in one message (gloo and NCCL lack bool, float8 and other dtypes), on the
     # collective's device (NCCL: the GPU).
     raw = [
-        state[name].detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
-        for name in names
+        state[names[0]].detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
+        for names in tied
     ]
     if raw:
         wire = torch.cat([part.to(accelerator.device) for part in raw])
         distributed.broadcast(wire, 0)
-        for name, part in zip(names, wire.split([part.numel() for part in raw])):
-            live = state[name]
+        for names, part in zip(tied, wire.split([part.numel() for part in raw])):
+            live = state[names[0]]
             # a copy: a slice of `wire` may start at an offset the dtype's alignment forbids
-            state[name] = part.to(live.device, copy=True).view(live.dtype).view(live.shape)
+            copy = part.to(live.device, copy=True).view(live.dtype).view(live.shape)
+            for name in names:
+                state[name] = copy
     return state
 
 
