@@ -267,6 +267,48 @@ def test_non_finite_float_keys_are_tagged_not_written_as_bare_nan(mpi_tmp_path, 
     assert math.isnan(first) and second == -math.inf
 
 
+def test_dict_keys_keep_their_type_or_are_refused(mpi_tmp_path, comm):
+    """Keys are held to the rules of values: numpy scalar keys came back as plain floats and
+    ints, an IntEnum or str-subclass key silently as its base type, and a float subclass whose
+    repr is not a float's saved a checkpoint that no rank could load."""
+    import enum
+
+    state = {"by": {np.float64(0.5): 1, np.int64(3): 2, np.float32("nan"): 3, np.str_("s"): 4}}
+    _save(mpi_tmp_path / "numpy-keys", state)
+    keys = list(_load(mpi_tmp_path / "numpy-keys")["by"])
+    assert [type(k) for k in keys] == [np.float64, np.int64, np.float32, np.str_]
+    assert keys[0] == 0.5 and keys[1] == 3 and np.isnan(keys[2]) and keys[3] == "s"
+
+    class Level(enum.IntEnum):
+        LOW = 1
+
+    class Name(str):
+        pass
+
+    class Odd(float):
+        def __repr__(self):
+            return f"Odd({float(self)})"
+
+    for key, base in ((Level.LOW, "int"), (Name("a"), "str"), (Odd("nan"), "float")):
+        with pytest.raises(CheckpointError, match=rf"it would come back as a plain {base}"):
+            flatten({"d": {key: 1}}, "c")
+
+
+def test_a_tensor_and_its_detached_alias_keep_their_own_requires_grad(mpi_tmp_path, comm):
+    """Tied keys load as one tensor object: setting requires_grad on it for the key that had
+    it made the other key's plain alias require grad too (an in-place update on it then
+    raised), after a background save only."""
+    learnable = torch.ones(3, requires_grad=True)
+    acc = _save(mpi_tmp_path / "sync", {"w": learnable, "plain": learnable.detach()})
+    acc.save_state(mpi_tmp_path / "async", async_save=True)
+    acc.wait_for_checkpoint()
+    for name in ("sync", "async"):
+        loaded = _load(mpi_tmp_path / name)
+        assert loaded["w"].requires_grad and not loaded["plain"].requires_grad, name
+        loaded["plain"].add_(1)  # a leaf that requires grad would refuse this
+        assert loaded["w"].tolist() == [2.0] * 3, name  # still one memory
+
+
 def test_containers_and_tensors_come_back_as_their_own_type(mpi_tmp_path, comm):
     """A Counter (MultiStepLR's milestones), torch.Size, nn.Parameter and requires_grad come
     back as they went in (they came back as dict, tuple, a plain tensor without grad: a resumed

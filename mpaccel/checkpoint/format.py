@@ -253,22 +253,22 @@ def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
             return {"__torch_dtype__": dtype_name(value)}
         if isinstance(value, Mapping):
             kind = _MAPPING_TAGS.get(type(value))
-            if kind is None and all(isinstance(k, str) and not k.startswith("__") for k in value):
+            if kind is None and all(type(k) is str and not k.startswith("__") for k in value):
                 return {
                     k: walk(v, f"{path}.{k}" if path else k, (*steps, ("key", k)))
                     for k, v in value.items()
                 }
             items = []
             for k, v in value.items():
-                if not isinstance(k, (str, int, float, bool)) and k is not None:
+                if not isinstance(k, (str, int, float, bool, np.generic)) and k is not None:
                     raise CheckpointError(
                         f"cannot store dict key {k!r} ({type(k).__name__}) at {path or prefix!r}",
-                        "keys must be str, int, float, bool or None.",
+                        "keys must be str, int, float, bool, None or numpy scalars.",
                     )
                 child = walk(v, f"{path}.{k}" if path else str(k), (*steps, ("key", k)))
-                # a NaN or infinite key is tagged as a value is (JSON has no such number)
-                key = k if not isinstance(k, float) or math.isfinite(k) else {"__float__": repr(k)}
-                items.append([key, child])
+                # A key is written as a value is: numpy scalars and NaN or infinite floats tagged
+                # (JSON has no such number), subclasses (an IntEnum, a str subclass) refused.
+                items.append([walk(k, f"{path}[key {k!r}]", steps), child])
             return {"__items__": items, **({"__type__": kind} if kind else {})}
         if isinstance(value, tuple):
             entries = [walk(v, f"{path}.{i}", (*steps, ("index", i))) for i, v in enumerate(value)]
@@ -328,7 +328,7 @@ def _name_tensors(found: list[tuple[dict[str, Any], tuple, Any]], prefix: str) -
     taken: dict[str, tuple] = {}
     same: dict[tuple, str] = {}  # a view's identity -> the name it was stored under
     for entry, steps, value in found:
-        view = _identity(value)
+        view = view_identity(value)
         if view is not None and view in same:
             entry["__tensor__"] = same[view]  # tied weights: stored once, loaded for both keys
             continue
@@ -350,7 +350,7 @@ def _name_tensors(found: list[tuple[dict[str, Any], tuple, Any]], prefix: str) -
     return tensors
 
 
-def _identity(value: Any) -> tuple | None:
+def view_identity(value: Any) -> tuple | None:
     """What makes two tensors the same view of the same memory (tied weights: a state_dict holds
     two tensor objects for them); None for arrays and tensors without memory of their own."""
     if not torch.is_tensor(value) or value.layout != torch.strided or value.is_meta:
@@ -387,7 +387,9 @@ def unflatten(document: Any, load: Any) -> Any:
             if "__parameter__" in value and not isinstance(tensor, torch.nn.Parameter):
                 return torch.nn.Parameter(tensor, requires_grad=value["__parameter__"])
             if value.get("__requires_grad__") and not tensor.requires_grad:
-                return tensor.requires_grad_(True)
+                # a new tensor object on the same memory: load() hands one object out for every
+                # key tied to it, and a detached alias must not start requiring grad too
+                return tensor.detach().requires_grad_(True)
             return tensor
         if "__tuple__" in value:
             entries = tuple(walk(v) for v in value["__tuple__"])
