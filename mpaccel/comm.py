@@ -302,18 +302,28 @@ class MPIComm:
         numbers no longer line up with the others'."""
         if self._MPI.Is_finalized():
             return
-        what = "the end of the program"
-        if self._broken is not None:
-            self._broken, self.probe_after = None, None
+        what, kind = "the end of the program", "end-of-program barrier"
         try:
-            self._begin(what, "end-of-program barrier")
+            if self._broken is None:
+                self._begin(what, kind)
+            else:
+                # It answers with the number of the collective it abandoned, so that a rank
+                # still waiting in that one learns that this rank will never come.
+                self._broken, self.probe_after = None, None
+                self._current = (what, self._seq, kind)
             self._wait(self._end.Ibarrier(), what, math.inf)
         except CollectiveMismatchError as exc:
-            text = f"[mpaccel rank {self.rank}] {type(exc).__name__}: {exc}"
-            print(text, file=sys.stderr, flush=True)
-            self.abort(1)
+            self._abort_at_exit(f"{type(exc).__name__}: {exc}")
         except PeerFailedError:
             pass  # the pytest plugin reported it; the job is ending anyway
+        except KeyboardInterrupt:
+            # Python ignores exceptions from exit hooks: MPI_Finalize would then wait, out of
+            # reach of any signal, for every other rank to finish.
+            self._abort_at_exit(f"interrupted while waiting in {what}: aborting all ranks")
+
+    def _abort_at_exit(self, text: str) -> None:
+        print(f"[mpaccel rank {self.rank}] {text}", file=sys.stderr, flush=True)
+        self.abort(1)
 
     def keep_progressing(self, interval: float) -> None:
         """Not collective. Start a ProgressThread (MPACCEL_MPI_PROGRESS; see there)."""
@@ -391,10 +401,10 @@ class MPIComm:
                 return
         deadline = start + limit
         yield_until = start + self.yield_seconds
-        probe_at = math.inf
+        every = math.inf  # seconds between questions to another rank (see _check_divergence)
         if self.probe_after is not None and self.size > 1:
-            probe_at = start + self.probe_after
-        asked = False
+            every = self.probe_after
+        probe_at = ask_at = start + every
         pause = 2e-5
         while not test():
             self._answer_queries()
@@ -403,10 +413,12 @@ class MPIComm:
                     break
                 self._check_alerts(what)
             now = time.monotonic()
+            if now >= ask_at:
+                # again every probe_after: the rank asked may move on, e.g. to the end of the
+                # program after abandoning this collective for an error of its own
+                self._ask_where()
+                ask_at = now + every
             if now >= probe_at:
-                if not asked:
-                    self._ask_where()
-                    asked = True
                 self._check_divergence(what)
             if now >= deadline:
                 self._timed_out(what, limit)

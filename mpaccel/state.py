@@ -23,7 +23,7 @@ from .comm import Comm
 from .device import check_gpus_not_shared, current_device
 from .discovery import Discovery, discover, emit_warnings
 from .environments import ProcessInfo
-from .errors import ConfigurationError, MpaccelError
+from .errors import CollectiveError, ConfigurationError, MpaccelError
 from .split import split_inputs
 from .utils.dataclasses import (
     DistributedType,
@@ -290,6 +290,11 @@ class PartialState:
         error: Exception | None = None
         try:
             yield
+        except CollectiveError:
+            # Agreed on every rank already (a nested gate failed: the others learnt it at the
+            # gate they were waiting in), or a peer is gone: another agreement here would meet
+            # nobody, or another gate, on the other ranks.
+            raise
         except Exception as exc:
             error = exc
         if is_main:

@@ -203,6 +203,57 @@ def test_a_rank_that_fails_alone_does_not_hang_the_job(tmp_path):
     assert "CollectiveTimeoutError: wait_for_everyone timed out" in run.stderr[1]
 
 
+def test_a_rank_that_abandoned_a_collective_is_found_by_the_others(tmp_path):
+    # The abort on an uncaught exception turned off, 3 ranks: rank 1 fails outside any
+    # collective; rank 0 learns it (rank 1 waits at the end of the program), abandons its
+    # wait_for_everyone and exits. Rank 2 asks only rank 0 where it is, once, and had its answer
+    # ("in wait_for_everyone") before rank 0 moved on: it waited for the whole timeout.
+    script = _script(
+        tmp_path,
+        """
+        from mpaccel import PartialState
+        state = PartialState(cpu=True)
+        if state.process_index == 1:
+            state.comm.probe_after = None  # it answers, but asks no one: rank 0 finds it
+            raise RuntimeError("rank 1 fails alone")
+        state.wait_for_everyone()
+    """,
+    )
+    env = {"MPACCEL_ABORT_ON_EXCEPTION": "0", "MPACCEL_TIMEOUT": "100"}
+    run = run_mpi([script], n=3, timeout=150, env=env)
+    assert not run.timed_out and run.returncode != 0 and run.elapsed < 60, run.describe()
+    assert "RuntimeError: rank 1 fails alone" in run.stderr[1], run.describe()
+    for rank, other in ((0, 1), (2, 0)):
+        err = run.stderr[rank]
+        assert "CollectiveMismatchError: wait_for_everyone (collective #" in err, run.describe()
+        assert f"cannot complete: rank {other} (" in err, run.describe()
+        assert "waits in the end of the program" in err, run.describe()
+
+
+def test_ctrl_c_while_waiting_at_the_end_of_the_program_ends_the_job(tmp_path):
+    # The interrupt was ignored (Python ignores exceptions from exit hooks), and the rank then
+    # waited in MPI_Finalize, deaf to signals, until every other rank had finished.
+    script = _script(
+        tmp_path,
+        """
+        import signal, time
+        from mpaccel import PartialState
+        state = PartialState(cpu=True)
+        state.wait_for_everyone()
+        if state.process_index == 0:
+            def interrupt(*args):
+                raise KeyboardInterrupt
+            signal.signal(signal.SIGALRM, interrupt)
+            signal.setitimer(signal.ITIMER_REAL, 2.0)  # rank 0 is waiting at the end by then
+        else:
+            time.sleep(60)
+    """,
+    )
+    run = run_mpi([script], n=2, timeout=120)
+    assert not run.timed_out and run.returncode != 0 and run.elapsed < 30, run.describe()
+    assert "interrupted while waiting in the end of the program" in run.stderr[0], run.describe()
+
+
 def test_a_rank_still_busy_at_the_end_is_waited_for(tmp_path):
     # Rank 0 works on after the others finished (a report, an upload): longer than the probe's
     # 5 s and than MPACCEL_TIMEOUT, and nothing is wrong.

@@ -313,6 +313,23 @@ def test_failure_after_main_in_main_process_first(accelerator, comm):
     assert info.value.failed_ranks == [comm.size - 1]
 
 
+@pytest.mark.parametrize("failing", ["first", "last"])
+def test_failure_in_nested_goes_first_blocks_is_collective(accelerator, comm, failing):
+    """A library's local_main_process_first inside the user's main_process_first: the inner
+    gate's error, agreed on every rank already, was agreed again by the outer block on the
+    ranks still inside it; the others had left, so some ranks got a CollectiveMismatchError
+    (naming no one who failed) and the communicator was left unusable."""
+    bad = 0 if failing == "first" else comm.size - 1
+    with pytest.raises(CollectiveError) as info:
+        with accelerator.main_process_first():
+            with accelerator.local_main_process_first():
+                if accelerator.process_index == bad:
+                    raise FileNotFoundError("vocab.json")
+    assert info.value.failed_ranks == [bad]
+    assert "FileNotFoundError: vocab.json" in str(info.value)
+    accelerator.wait_for_everyone()  # still in step afterwards
+
+
 def test_agree_names_every_failing_rank(state, comm):
     error = RuntimeError(f"bad {comm.rank}") if comm.rank % 2 else None
     if comm.size == 1:
