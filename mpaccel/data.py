@@ -141,6 +141,8 @@ class DataLoaderShard:
         self._skip = 0  # batches the next pass skips (skip_first_batches, or load_state)
         self._skip_counted = False  # ... and len() counts them (skip_first_batches only)
         self._skipped = 0  # batches the pass under way skipped, as len() counts them
+        self._in_pass = False  # a pass is under way (its generator is open)
+        self._epoch_seen: int | None = None  # load_state: every batch of this epoch was seen
         self.batches_yielded = 0
         length = self.total_dataset_length
         total = self.total_batch_size
@@ -226,6 +228,9 @@ class DataLoaderShard:
         if self._started:
             self.iteration += 1
         self._started = True
+        # Saved while this epoch's last batch was out, and resumed into the same epoch (a loop
+        # that calls set_epoch(epoch) with its own, checkpointed, epoch counter): nothing is left.
+        seen, self._epoch_seen = self._epoch_seen == self.iteration, None
         self._tell_epoch()
         skip, counted = self._skip, self._skip_counted
         self._skip, self._skip_counted = 0, False
@@ -233,7 +238,11 @@ class DataLoaderShard:
         self.gradient_state._add_dataloader(self)
         self.end_of_dataloader = False
         self.batches_yielded = skip
+        self._in_pass = True
         try:
+            if seen:
+                self.end_of_dataloader = True
+                return
             if isinstance(self.sharding, ShardedBatchSampler):
                 # Left out as index lists by the sampler: no sample of theirs is loaded.
                 self.sharding.skip_next = skip
@@ -257,6 +266,7 @@ class DataLoaderShard:
             self.end_of_dataloader = True
             self._skipped = 0  # the resumed pass is over: len() counts whole passes again
         finally:
+            self._in_pass = False
             self.gradient_state._remove_dataloader(self)
 
 

@@ -80,7 +80,10 @@ def _params(acc, model):
 
 
 @pytest.mark.parametrize("find_unused_parameters", [False, True])
-def test_resume_equals_uninterrupted_run(mpi_tmp_path, comm, find_unused_parameters):
+@pytest.mark.parametrize("stop_at", [6, 8], ids=["mid-epoch", "last-batch"])
+def test_resume_equals_uninterrupted_run(mpi_tmp_path, comm, find_unused_parameters, stop_at):
+    # 4 batches per epoch: step 8 is the last of epoch 1, saved while the loop (and its epoch
+    # counter) is still in epoch 1; set_epoch(1) after the resume replayed the whole epoch.
     ddp = [DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)]
     acc, model, opt, sched, loader, progress = _setup(kwargs_handlers=ddp)
     _train(acc, model, opt, sched, loader, progress, epochs=3)
@@ -88,11 +91,11 @@ def test_resume_equals_uninterrupted_run(mpi_tmp_path, comm, find_unused_paramet
 
     # Interrupted: stop mid-epoch, save, "restart" with other initial weights, load, go on.
     acc, model, opt, sched, loader, progress = _setup(kwargs_handlers=ddp)
-    assert _train(acc, model, opt, sched, loader, progress, epochs=3, stop_at=6,
+    assert _train(acc, model, opt, sched, loader, progress, epochs=3, stop_at=stop_at,
                   save_to=mpi_tmp_path / "ckpt")
     acc, model, opt, sched, loader, progress = _setup(seed_model=123, kwargs_handlers=ddp)
     acc.load_state(mpi_tmp_path / "ckpt")
-    assert progress.step == 6 and acc.step == 0
+    assert progress.step == stop_at and acc.step == 0
     # The same loop: set_epoch() replays the interrupted epoch's order, minus what was seen.
     _train(acc, model, opt, sched, loader, progress, epochs=3)
     assert progress.history == expected_history
@@ -104,6 +107,37 @@ def test_resume_equals_uninterrupted_run(mpi_tmp_path, comm, find_unused_paramet
         # later steps in the rebuilt one; a sum of 3+ ranks then rounds differently, once.
         torch.testing.assert_close(params, expected_params, rtol=0, atol=1e-6)
     assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0])
+
+
+def test_every_loader_whose_pass_is_under_way_resumes_where_it_was(mpi_tmp_path, comm):
+    """Two prepared loaders iterated together (zip): only the one started last was saved as
+    mid-epoch; the other started a new, differently shuffled pass after the resume."""
+
+    def setup():
+        reset_state()
+        acc = Accelerator()
+        torch.manual_seed(3)
+        data = TensorDataset(torch.arange(64.0))
+        per_rank = 8 // acc.num_processes
+        a, b = (DataLoader(data, batch_size=per_rank, shuffle=True) for _ in range(2))
+        return acc, *acc.prepare(a, b)
+
+    def run(a, b, stop=None, acc=None):
+        seen = []
+        for step, ((x,), (y,)) in enumerate(zip(a, b)):
+            seen.append((x.tolist(), y.tolist()))
+            if step == stop:
+                acc.save_state(mpi_tmp_path / "two")
+                break
+        return seen
+
+    acc, a, b = setup()
+    expected = run(a, b)
+    acc, a, b = setup()
+    before = run(a, b, stop=2, acc=acc)
+    acc, a, b = setup()
+    acc.load_state(mpi_tmp_path / "two")
+    assert before + run(a, b) == expected
 
 
 def test_round_trip_of_every_component(mpi_tmp_path, comm):

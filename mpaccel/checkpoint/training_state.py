@@ -44,12 +44,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def dataloader_position(shard: Any) -> dict[str, Any]:
     # A pass whose last batch is out has only to return: saved as over, so that the resumed
-    # run moves on to the next epoch (not an empty pass, nor the same epoch again).
-    mid_epoch = shard.gradient_state.active_dataloader is shard and not shard.end_of_dataloader
+    # run moves on to the next epoch (not an empty pass, nor the same epoch again), unless the
+    # script asks for that same epoch again with set_epoch (its epoch counter was saved too):
+    # then the pass is empty ("epoch_seen"). Every loader whose pass is under way counts (two
+    # loaders zipped, an auxiliary one advanced with next()), not only the latest started.
+    running = shard._in_pass
+    mid_epoch = running and not shard.end_of_dataloader
     return {
         "iteration": shard.iteration,
         "started": shard._started,
         "mid_epoch": mid_epoch,
+        "epoch_seen": running and shard.end_of_dataloader,
         "batches_yielded": shard.batches_yielded if mid_epoch else 0,
         "total_batch_size": shard.total_batch_size,
     }
@@ -62,6 +67,7 @@ def restore_dataloader(shard: Any, position: dict[str, Any], saved_world: int, w
     # epoch, which older checkpoints hold too, is not needed). Checkpoints without "started"
     # saved the next pass's epoch.
     shard._started = bool(position.get("started", False)) and not position["mid_epoch"]
+    shard._epoch_seen = shard.iteration if position.get("epoch_seen") else None
     if not position["mid_epoch"]:
         return
     batches = position["batches_yielded"]
