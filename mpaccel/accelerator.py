@@ -493,6 +493,15 @@ class Accelerator:
                 )
         else:
             even_batches = self.even_batches
+        if not even_batches and self.gradient_accumulation_steps > 1:
+            warnings.warn(
+                "join_uneven_inputs with gradient accumulation: a rank whose loader ends first "
+                "synchronises gradients at its last batch while the others are inside no_sync, "
+                "and DDP's all-reduces then no longer pair up (the job waits until the "
+                "timeout); accumulate only where every rank has the same number of batches",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         try:
             with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
                 yield

@@ -169,6 +169,18 @@ def test_join_uneven_inputs_trains_on_batches_that_do_not_divide_evenly(comm):
     assert len(list(loader)) == -(-samples // comm.size)  # even again outside the block
 
 
+@pytest.mark.mpi(min_size=2)
+def test_join_uneven_inputs_warns_about_gradient_accumulation(comm):
+    """Join cannot pair DDP's all-reduces when a rank that ran out synchronised early under
+    accumulation: that combination hung until the timeout without a word."""
+    reset_state()
+    acc = Accelerator(gradient_accumulation_steps=2)
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    with pytest.warns(RuntimeWarning, match="with gradient accumulation"):
+        with acc.join_uneven_inputs([model], even_batches=False):
+            pass
+
+
 def test_autocast_kwargs(comm):
     """AutocastKwargs in kwargs_handlers reach the prepared model's autocast and
     accelerator.autocast(); autocast(autocast_handler=...) sets them for one block."""
