@@ -761,3 +761,63 @@ def test_the_silenced_ranks_leak_no_file(tmp_path):
                       timeout=120, env={"PYTHONWARNINGS": "error::ResourceWarning"})
     assert run.returncodes == (0, 0), run.describe()
     assert "ResourceWarning" not in "".join(run.stderr), run.describe()
+
+
+_RANK_CONFTEST = "import os, time, pytest\nRANK = int(os.environ.get('PMI_RANK', '0'))\n"
+
+
+@pytest.mark.parametrize(
+    ("hooks", "code", "said"),
+    [
+        ("def pytest_collection_modifyitems(items):\n    if RANK == 1:\n"
+         "        raise RuntimeError('boom on rank 1')\n", 3, "RuntimeError: boom on rank 1"),
+        ("def pytest_collection_modifyitems(items):\n    if RANK == 1:\n"
+         "        pytest.exit('enough', returncode=7)\n", 7, "Exit: enough"),
+        ("def pytest_sessionstart(session):\n    if RANK == 1:\n"
+         "        raise RuntimeError('no start')\n", 3, "RuntimeError: no start"),
+    ],
+    ids=["error-in-collection-hook", "exit-in-collection-hook", "error-in-sessionstart"],
+)
+def test_a_session_that_ends_on_one_rank_alone_ends_every_rank_at_once(
+    tmp_path, hooks, code, said
+):
+    """An error or pytest.exit on one rank outside a test phase (a conftest hook): that rank
+    left for the exit-code vote while the others waited in the collection check or the
+    outcome exchange, and the job hung until the deadline (then blamed an innocent test)."""
+    (tmp_path / "conftest.py").write_text(_RANK_CONFTEST + hooks)
+    run = _run_pytest(tmp_path, "def test_a():\n    pass\n", 2, "--mpi-timeout=60", timeout=120)
+    assert not run.timed_out and run.elapsed < 40, run.describe()
+    assert run.returncode == code, run.describe()
+    assert f"the session ended on rank 1 alone ({said})" in "".join(run.stderr), run.describe()
+
+
+def test_a_root_conftest_that_hangs_on_one_rank_ends_at_the_deadline(tmp_path):
+    """Imported before the plugin's pytest_configure: no deadline covered it, and the other
+    ranks waited in discovery (30 minutes by default)."""
+    (tmp_path / "conftest.py").write_text(_RANK_CONFTEST + "if RANK == 1:\n    time.sleep(600)\n")
+    run = _run_pytest(tmp_path, "def test_a():\n    pass\n", 2, "--mpi-timeout=5", timeout=120)
+    assert not run.timed_out and run.elapsed < 60, run.describe()
+    assert run.returncode != 0, run.describe()
+    err = "".join(run.stderr)
+    # the watchdog's report, or faulthandler's where MPI_Init held the GIL while it waited
+    assert "TIMEOUT: starting the session" in err or "Timeout (0:00:10)!" in err, run.describe()
+
+
+def test_an_error_in_a_conftest_sessionfinish_on_one_rank_gives_every_rank_its_code(tmp_path):
+    (tmp_path / "conftest.py").write_text(
+        _RANK_CONFTEST + "def pytest_sessionfinish(session):\n    if RANK == 1:\n"
+        "        raise RuntimeError('finish')\n"
+    )
+    run = _run_pytest(tmp_path, "def test_a():\n    pass\n", 2, timeout=120)
+    assert run.returncodes == (1, 1), run.describe()
+
+
+def test_tb_line_shows_the_combined_failure(tmp_path):
+    run = _run_pytest(
+        tmp_path,
+        "from mpi4py import MPI\ndef test_a():\n    assert MPI.COMM_WORLD.Get_rank() != 1\n",
+        2, "--tb=line", timeout=120,
+    )
+    assert run.returncode == 1, run.describe()
+    assert "call failed on rank(s) [1] of 2" in run.stdout[0], run.describe()
+    assert "_Crash(" not in run.stdout[0], run.describe()

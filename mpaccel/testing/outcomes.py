@@ -18,6 +18,9 @@ import pytest
 class _Crash:
     message: str
 
+    def __str__(self) -> str:  # --tb=line prints str(reprcrash)
+        return self.message
+
 
 class CombinedFailure:
     """The failure report of a phase that failed on some ranks: every failing rank's report,

@@ -16,6 +16,8 @@ pytest to find them. The markers and fixtures work in plain runs too, as a world
 
 from __future__ import annotations
 
+import faulthandler
+import math
 import os
 import sys
 from collections.abc import Generator, Iterator
@@ -28,7 +30,7 @@ from .. import _env
 from ..environments import detect_launcher
 from .fixtures import accelerator, comm, mpi_tmp_path, reset_state, state
 from .session import KEY, MPISession, session_of
-from .watchdog import DEFAULT_TIMEOUT
+from .watchdog import DEFAULT_TIMEOUT, Watchdog, config_timeout
 
 if TYPE_CHECKING:
     from ..discovery import Discovery
@@ -64,11 +66,20 @@ def _discover_job() -> Discovery:
         raise pytest.UsageError(*([str(exc)] if _world_rank() == 0 else [])) from exc
 
 
+def _abort(code: int) -> None:
+    """MPI_Abort where MPI is up; before (or after) it, this process alone ends."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
 def _world_rank() -> int:
-    """This process's rank in COMM_WORLD; 0 where MPI is not (or no longer) initialised."""
+    """This process's rank in COMM_WORLD; where MPI is not (or no longer) initialised, the
+    launcher's word for it, else 0."""
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
-        return 0
+        return _env.rank_before_init() or 0
     return int(MPI.COMM_WORLD.Get_rank())
 
 
@@ -156,12 +167,29 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line("markers", "mpi_timeout(seconds): per-test deadline under MPI")
     config.stash[_CONFIGURED] = True
-    if _world_size_from_launcher() < 2:
+    size = _world_size_from_launcher()
+    if size < 2:
         return
-    job = _discover_job()
+    # Under the run's deadline from here: a rank whose root conftest.py never finishes
+    # importing, or whose pytest_configure never returns, leaves the others waiting in
+    # discovery or in the start check, which have no deadline of their own that short.
+    seconds = config_timeout(config)
+    watchdog = Watchdog(_env.rank_before_init() or 0, size, _abort, _stderr_fd)
+    watchdog.arm("starting the session (every rank's conftest.py and pytest_configure)", seconds)
+    watchdog.phase("waiting for the other ranks")
+    if 0 < seconds < math.inf:
+        # The watchdog needs the GIL, which MPI_Init (at mpi4py's import) holds while it waits
+        # for every rank to start: faulthandler's thread does not. It prints every thread's
+        # stack and ends this process; the launcher then ends the others.
+        faulthandler.dump_traceback_later(seconds + 5, exit=True, file=_stderr_fd)
+    try:
+        job = _discover_job()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     if job.info.num_processes < 2:
+        watchdog.disarm()
         return  # a world of one that MPACCEL_SKIP_LAUNCH_CHECKS lets through: a plain run
-    session = MPISession(config, job, _stderr_fd)
+    session = MPISession(config, job, _stderr_fd, watchdog)
     config.stash[KEY] = session
     config.pluginmanager.register(session, "mpaccel-mpi-session")
     if session.rank != 0 and getattr(config.option, "xmlpath", None):

@@ -37,9 +37,13 @@ class MPISession:
     """Everything the plugin keeps for one run under MPI; registered as a plugin of its own,
     for the hooks that only matter under MPI."""
 
-    def __init__(self, config: pytest.Config, job: Discovery, stderr_fd: int) -> None:
+    def __init__(
+        self, config: pytest.Config, job: Discovery, stderr_fd: int,
+        watchdog: Watchdog | None = None,
+    ) -> None:
         """Collective (the basetemp broadcast). `stderr_fd`: the terminal's stderr, saved before
-        pytest's fd capture replaced fd 2."""
+        pytest's fd capture replaced fd 2. `watchdog`: this rank's, if it already has one (it
+        stays armed: the start of the session is under the run's deadline too)."""
         from mpi4py import MPI
 
         from ..comm import Alerts, MPIComm, install_alerts
@@ -51,7 +55,7 @@ class MPISession:
         self.alerts = Alerts(self.world)
         install_alerts(self.alerts)
         self.stderr_fd = stderr_fd
-        self.watchdog = Watchdog(self.rank, self.size, self.world.Abort, stderr_fd)
+        self.watchdog = watchdog or Watchdog(self.rank, self.size, self.world.Abort, stderr_fd)
         # Where the ranks' basetemp dirs (rank-R) and mpi_tmp_path's (shared/) are: a given
         # --basetemp (the way to a filesystem every node sees), else a new dir in rank 0's TMPDIR.
         self.given_base = config.option.basetemp is not None
@@ -74,6 +78,8 @@ class MPISession:
         self._start_checked = False
         self.start_exitcode: int | None = None  # set where another rank stopped before the start
         self._devnull: Any = None  # the silenced terminal of ranks 1..N-1
+        self._together = False  # the session is ending on every rank at once (exit_everywhere)
+        self._alone: tuple[int, str] | None = None  # (exit code, why): it ends on this rank only
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -111,6 +117,7 @@ class MPISession:
             # The alerts of the ranks that exited stay pending until the session's teardown is
             # over: a fixture there waiting in a collective for them gives up (see sessionfinish).
             self._exit_alerts = sorted(exits)
+            self._together = True
             raise exit_everywhere(report, exits)
         note = combine(report, outcomes, self.rank)
         if note is not None:
@@ -277,16 +284,47 @@ class MPISession:
         for nodeid, note in self.notes:
             terminalreporter.write_line(f"{nodeid}: {note}")
 
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        # Ctrl-C or pytest.exit outside a test phase (in a plugin's collective, a conftest
+        # hook...), unless the outcome exchange ended the session on every rank itself.
+        if self._together:
+            return
+        code = getattr(excinfo.value, "returncode", None)
+        self._alone = (pytest.ExitCode.INTERRUPTED if code is None else int(code),
+                       _describe(excinfo))
+
+    def pytest_internalerror(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        self._alone = (pytest.ExitCode.INTERNAL_ERROR, _describe(excinfo))
+
+    def _end_alone(self) -> None:
+        """The session ended on this rank alone: the others wait for it in some collective of
+        the plugin that it will never join. End the job now, with this rank's exit code,
+        rather than at the deadline."""
+        if self._alone is None:
+            return
+        code, why = self._alone
+        first = (why.splitlines() or [""])[0]
+        os.write(
+            self.stderr_fd,
+            f"mpaccel: the session ended on rank {self.rank} alone ({first}); the other ranks "
+            f"cannot follow it: ending every rank with exit code {int(code)}\n".encode(
+                errors="replace"),
+        )
+        self.world.Abort(int(code))
+
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Iterator[Any]:
+        self._end_alone()
         # pytest tears down what is still set up here (session and module fixtures, and after
         # pytest.exit the interrupted test's): under the deadline too.
         self.watchdog.arm("the session's final teardown", config_timeout(self.config))
         self.watchdog.phase("teardown")
+        raised = False
         try:
             return (yield)
         except Exception as exc:
             if not self._exit_alerts:
+                raised = True  # this rank then ends with Python's 1: so does every rank
                 raise
             # After pytest.exit, a rank's fixture may wait in a collective for one whose own
             # copy was never set up: it gave up (the pending alert); say so, and end as asked.
@@ -299,7 +337,8 @@ class MPISession:
         finally:
             self.alerts.drain(self._exit_alerts)
             self._exit_alerts = []
-            status = self.comm.allreduce(int(session.exitstatus), "max", "pytest exit")
+            mine = max(int(session.exitstatus), 1) if raised else int(session.exitstatus)
+            status = self.comm.allreduce(mine, "max", "pytest exit")
             session.exitstatus = status
             self.config._mpaccel_exitstatus = status  # type: ignore[attr-defined]
             self.watchdog.disarm()
@@ -307,6 +346,8 @@ class MPISession:
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         from ..comm import install_alerts
 
+        if self._start_checked:  # else check_start below stops every rank, as they agree
+            self._end_alone()  # where pytest skipped sessionfinish (an error in sessionstart)
         install_alerts(None)
         self.watchdog.finish()  # a deadline that went off ends the job here, as it said
         if self._devnull is not None:
@@ -326,3 +367,8 @@ class MPISession:
             shutil.rmtree(self.base, ignore_errors=True)
         elif self.rank == 0 and not self.given_base:
             os.write(2, f"mpaccel: per-rank temporary files kept in {self.base}\n".encode())
+
+
+def _describe(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    text = str(excinfo.value)
+    return f"{excinfo.typename}: {text}" if text else excinfo.typename
