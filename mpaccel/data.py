@@ -141,7 +141,6 @@ class DataLoaderShard:
         self._skip = 0  # batches the next pass skips (skip_first_batches, or load_state)
         self._skip_counted = False  # ... and len() counts them (skip_first_batches only)
         self._skipped = 0  # batches the pass under way skipped, as len() counts them
-        self._in_pass = False  # a pass is under way (its generator is open)
         self._epoch_seen: int | None = None  # load_state: every batch of this epoch was seen
         self.batches_yielded = 0
         length = self.total_dataset_length
@@ -238,7 +237,6 @@ class DataLoaderShard:
         self.gradient_state._add_dataloader(self)
         self.end_of_dataloader = False
         self.batches_yielded = skip
-        self._in_pass = True
         try:
             if seen:
                 self.end_of_dataloader = True
@@ -266,7 +264,6 @@ class DataLoaderShard:
             self.end_of_dataloader = True
             self._skipped = 0  # the resumed pass is over: len() counts whole passes again
         finally:
-            self._in_pass = False
             self.gradient_state._remove_dataloader(self)
 
 

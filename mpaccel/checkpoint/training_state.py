@@ -48,7 +48,7 @@ def dataloader_position(shard: Any) -> dict[str, Any]:
     # script asks for that same epoch again with set_epoch (its epoch counter was saved too):
     # then the pass is empty ("epoch_seen"). Every loader whose pass is under way counts (two
     # loaders zipped, an auxiliary one advanced with next()), not only the latest started.
-    running = shard._in_pass
+    running = shard in shard.gradient_state.__dict__.get("dataloader_references", ())
     mid_epoch = running and not shard.end_of_dataloader
     return {
         "iteration": shard.iteration,

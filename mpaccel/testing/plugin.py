@@ -174,7 +174,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # importing, or whose pytest_configure never returns, leaves the others waiting in
     # discovery or in the start check, which have no deadline of their own that short.
     seconds = config_timeout(config)
-    watchdog = Watchdog(_env.rank_before_init() or 0, size, _abort, _stderr_fd)
+    watchdog = Watchdog(_world_rank(), size, _abort, _stderr_fd)
     watchdog.arm("starting the session (every rank's conftest.py and pytest_configure)", seconds)
     watchdog.phase("waiting for the other ranks")
     if 0 < seconds < math.inf:
