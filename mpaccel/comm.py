@@ -633,11 +633,15 @@ class MPIComm:
             raise ValueError(f"scatter needs one object per rank ({self.size}) on the root")
         self._begin(what, "scatter")
         # Sizes first, then every rank's bytes in one Scatterv: each rank receives only its own.
+        # The root keeps its own object as it is (nothing pickled for it), as bcast does.
         sizes = np.zeros(self.size, dtype=np.int64)
         payload = np.zeros(0, dtype=np.uint8)
         if self.rank == root:
             assert objs is not None
-            parts = [pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) for obj in objs]
+            parts = [
+                b"" if r == root else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                for r, obj in enumerate(objs)
+            ]
             sizes[:] = [len(part) for part in parts]
             payload = np.frombuffer(b"".join(parts), np.uint8)
         mine = np.zeros(1, dtype=np.int64)
@@ -646,6 +650,9 @@ class MPIComm:
         offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
         send = [payload, sizes.tolist(), offsets, self._MPI.BYTE] if self.rank == root else None
         self._wait(self._comm.Iscatterv(send, out, root=root), what, timeout)
+        if self.rank == root:
+            assert objs is not None
+            return objs[root]
         return pickle.loads(out.tobytes())
 
     def agree(

@@ -4,6 +4,8 @@ expected on each rank are those Accelerate 1.15's dispatcher gave under `acceler
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -204,7 +206,18 @@ def test_a_failure_while_rank_0_reads_is_raised_on_every_rank(comm):
     if comm.rank == 0:
         assert isinstance(error.value.__cause__, ValueError)
     assert comm.allgather(seen) == [seen] * comm.size
-    # Batches that cannot be joined: the same, with the reason.
+    # A batch that cannot be sent (pickle refuses it), or joined: the same, with the reason.
+    acc = _dispatching(split_batches=True)  # the batch is cut, not joined: it reaches pickle
+
+    def collate(samples):
+        return {"x": torch.tensor(samples), "callback": lambda: samples}
+
+    unsendable = acc.prepare(
+        DataLoader(list(range(4 * comm.size)), batch_size=comm.size, collate_fn=collate)
+    )
+    if comm.size > 1:
+        with pytest.raises(CollectiveError, match="pickle"):
+            list(unsendable)
     acc = _dispatching()
     shapes = acc.prepare(
         DataLoader([torch.zeros(1 + i % 2) for i in range(8 * comm.size)], batch_size=1)
@@ -265,3 +278,22 @@ def test_dispatch_refuses_what_it_cannot_do(comm):
     with pytest.raises(ConfigurationError, match="batch size") as error:
         _dispatching(split_batches=True).prepare(DataLoader(Stream(4), batch_size=None))
     assert "HINT:" in str(error.value)
+
+
+Pair = namedtuple("Pair", "x y")
+
+
+def test_dispatched_parts_keep_their_dtypes_and_structure(comm):
+    """Tensors of any dtype (bfloat16 has no numpy twin), in named tuples and dicts."""
+
+    def collate(samples):
+        rows = torch.tensor(samples)
+        return {"pair": Pair(rows.to(torch.bfloat16), rows.to(torch.bool)), "id": rows}
+
+    acc = _dispatching()
+    loader = acc.prepare(DataLoader(list(range(4 * comm.size)), batch_size=2, collate_fn=collate))
+    for batch in loader:
+        assert isinstance(batch["pair"], Pair)
+        assert batch["pair"].x.dtype == torch.bfloat16 and batch["pair"].y.dtype == torch.bool
+        assert batch["pair"].x.tolist() == batch["id"].float().tolist()
+        assert batch["id"].dtype == torch.int64
