@@ -1003,3 +1003,22 @@ def test_a_stateful_dataloader_resumes_through_its_own_state(comm, source, dispa
     assert [batch.tolist() for batch in loader] == rest
     if source == "resumable" and comm.rank == 0:
         assert dataset.read == length - 3 * 4 * comm.size  # what follows the three batches
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_of_one_tensor_parallel_group_read_the_same_batches(comm):
+    """prepare_data_loader(torch_device_mesh=...): the data-parallel world is the mesh's
+    dp_replicate x dp_shard; the ranks of one tp group get the same batches (a real gloo mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mpaccel.data_loader import prepare_data_loader
+
+    _fresh()
+    n = comm.size
+    mesh = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+    plain = DataLoader(list(range(4 * n)), batch_size=2)
+    loader = prepare_data_loader(plain, torch_device_mesh=mesh)
+    everyone = comm.allgather([batch.tolist() for batch in loader])
+    groups = [everyone[r : r + 2] for r in range(0, n, 2)]
+    assert all(group[0] == group[1] for group in groups)
+    assert sorted(v for group in groups for b in group[0] for v in b) == list(range(4 * n))
