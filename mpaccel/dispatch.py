@@ -58,15 +58,7 @@ def slice_batch(
 ) -> Any:
     """The default `slice_fn_for_dispatch`: `tensor_slice` of every tensor of `data` (lists,
     tuples and mappings rebuilt with their types; anything else kept as it is)."""
-    if isinstance(data, torch.Tensor):
-        return data[tensor_slice]
-    if isinstance(data, Mapping):
-        return type(data)({k: slice_batch(v, tensor_slice) for k, v in data.items()})  # type: ignore[call-arg]
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(slice_batch(v, tensor_slice) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(slice_batch(v, tensor_slice) for v in data)
-    return data
+    return _map(data, lambda v: v[tensor_slice] if isinstance(v, torch.Tensor) else v)
 
 
 class _Array:
