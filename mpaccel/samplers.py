@@ -242,6 +242,11 @@ class ShardedBatchSampler(_Shares, Sampler[list[int]]):
     def sampler(self) -> Any:
         return getattr(self.batch_sampler, "sampler", None)
 
+    @property
+    def total_length(self) -> int:
+        """The batches of the whole loader (Accelerate's name)."""
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
     def _rounds(self) -> Iterator[list[list[int]]]:
         """Global rounds: lists of N per-rank batches (the last one possibly short)."""
         n = self.num_processes

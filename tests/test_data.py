@@ -1022,3 +1022,17 @@ def test_ranks_of_one_tensor_parallel_group_read_the_same_batches(comm):
     groups = [everyone[r : r + 2] for r in range(0, n, 2)]
     assert all(group[0] == group[1] for group in groups)
     assert sorted(v for group in groups for b in group[0] for v in b) == list(range(4 * n))
+
+
+def test_the_shard_classes_take_accelerates_arguments(comm):
+    """BatchSamplerShard(batch_sampler, num_processes, process_index, split_batches,
+    even_batches) and IterableDatasetShard(dataset, batch_size, drop_last, num_processes,
+    process_index, split_batches), positionally as in Accelerate."""
+    from mpaccel.data_loader import BatchSamplerShard, IterableDatasetShard
+
+    shard = BatchSamplerShard(BatchSampler(range(10), 2, False), 2, 1, True, True)
+    assert list(shard) == [[1], [3], [5], [7], [9]] and shard.total_length == 5
+    stream = IterableDatasetShard(Stream(10), 2, False, 2, 1, False)
+    assert list(stream) == [2, 3, 6, 7, 0, 1]
+    dropped = IterableDatasetShard(Stream(10), 2, True, 2, 0, False)
+    assert list(dropped) == [0, 1, 4, 5]
