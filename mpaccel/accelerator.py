@@ -16,8 +16,10 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint, distributed, ops, tracking
 from . import slurm as slurm_support
-from .data import DataLoaderShard, prepare_data_loader, skip_first_batches
+from .data import PreparedLoader, skip_first_batches
 from .errors import ConfigurationError
+from .prepare import agreed_seed
+from .prepare import build as build_prepared
 from .samplers import ShardedBatchSampler
 from .state import AcceleratorState, GradientState, PartialState
 from .training import (
@@ -146,7 +148,7 @@ class Accelerator:
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[DataLoaderShard] = []
+        self._dataloaders: list[PreparedLoader] = []
         self._data_seed: int | None = dataloader_config.data_seed
         self._custom_objects: list[Any] = []
         self._async_saver = checkpoint.AsyncSaver()
@@ -437,31 +439,45 @@ class Accelerator:
         return wrapped
 
     def prepare_data_loader(
-        self, data_loader: DataLoader, device_placement: bool | None = None
-    ) -> DataLoaderShard:
-        """Collective the first time (the shuffling seed is agreed over MPI). A loader prepared
-        already is returned as it is."""
-        if type(data_loader) is DataLoaderShard:  # isinstance would say DataLoader too
+        self,
+        data_loader: DataLoader,
+        device_placement: bool | None = None,
+        slice_fn_for_dispatch: Any = None,
+    ) -> DataLoader:
+        """Collective the first time (the shuffling seed is agreed over MPI, unless
+        `dataloader_config.data_seed` is set). The loader is prepared as
+        `dataloader_config` says, read at this call; `slice_fn_for_dispatch` cuts global batches
+        when they are dispatched. A loader prepared already is returned as it is."""
+        if issubclass(type(data_loader), PreparedLoader):  # isinstance would say DataLoader too
             return data_loader
-        if self._data_seed is None:
-            # Rank 0's seed for everyone: shuffles agree across ranks, and follow torch.manual_seed.
-            self._data_seed = self._partial.comm.bcast(
-                torch.initial_seed() % 2**62, what="prepare_data_loader (seed)"
-            )
+        config = self.dataloader_config
+        seed = config.data_seed
+        if seed is None:
+            if self._data_seed is None:
+                self._data_seed = agreed_seed(self._partial.comm)
+            seed = self._data_seed
         place = device_placement if device_placement is not None else self.device_placement
-        shard = prepare_data_loader(
+        shard = build_prepared(
             data_loader,
-            self.num_processes,
-            self.process_index,
-            self.device if place else None,
-            self.gradient_state,
-            self._data_seed,
-            split_batches=self.split_batches,
-            even_batches=self.even_batches,
-            non_blocking=self.dataloader_config.non_blocking,
+            device=self.device if place else None,
+            num_processes=self.num_processes,
+            process_index=self.process_index,
+            world=(self.num_processes, self.process_index),
+            split_batches=config.split_batches,
+            put_on_device=place,
+            rng_types=list(self.rng_types),
+            dispatch_batches=config.dispatch_batches,
+            even_batches=config.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=config.use_seedable_sampler,
+            seed=seed,
+            non_blocking=config.non_blocking,
+            use_stateful_dataloader=config.use_stateful_dataloader,
+            torch_device_mesh=None,
+            gradient_state=self.gradient_state,
         )
         self._dataloaders.append(shard)
-        return shard
+        return shard  # type: ignore[return-value]  # it passes for a DataLoader
 
     @contextmanager
     def join_uneven_inputs(

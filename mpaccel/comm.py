@@ -138,6 +138,16 @@ class Comm(Protocol):
         self, obj: Any, root: int = 0, what: str = "bcast", timeout: float | None = None
     ) -> Any: ...
 
+    def scatter(
+        self,
+        objs: Sequence[Any] | None,
+        root: int = 0,
+        what: str = "scatter",
+        timeout: float | None = None,
+    ) -> Any:
+        """Rank r gets `objs[r]` of the root (`objs`, one per rank, is read on the root only)."""
+        ...
+
     def agree(
         self,
         error: BaseException | None,
@@ -185,6 +195,19 @@ class NullComm:
         if root != 0:
             raise ValueError(f"root {root} out of range for a world of size 1")
         return obj
+
+    def scatter(
+        self,
+        objs: Sequence[Any] | None,
+        root: int = 0,
+        what: str = "scatter",
+        timeout: float | None = None,
+    ) -> Any:
+        if root != 0:
+            raise ValueError(f"root {root} out of range for a world of size 1")
+        if objs is None or len(objs) != 1:
+            raise ValueError(f"scatter needs one object per rank (1) on the root, got {objs!r}")
+        return objs[0]
 
     def agree(
         self,
@@ -595,6 +618,42 @@ class MPIComm:
             payload = np.empty(int(size[0]), dtype=np.uint8)
         self._wait(self._comm.Ibcast(payload, root=root), what, timeout)
         return obj if self.rank == root else pickle.loads(payload.tobytes())  # type: ignore[union-attr]
+
+    def scatter(
+        self,
+        objs: Sequence[Any] | None,
+        root: int = 0,
+        what: str = "scatter",
+        timeout: float | None = None,
+    ) -> Any:
+        if not 0 <= root < self.size:
+            raise ValueError(f"root {root} out of range for a world of size {self.size}")
+        if self.rank == root and (objs is None or len(objs) != self.size):
+            # Checked before the collective starts; the other ranks then wait for the root.
+            raise ValueError(f"scatter needs one object per rank ({self.size}) on the root")
+        self._begin(what, "scatter")
+        # Sizes first, then every rank's bytes in one Scatterv: each rank receives only its own.
+        # The root keeps its own object as it is (nothing pickled for it), as bcast does.
+        sizes = np.zeros(self.size, dtype=np.int64)
+        payload = np.zeros(0, dtype=np.uint8)
+        if self.rank == root:
+            assert objs is not None
+            parts = [
+                b"" if r == root else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                for r, obj in enumerate(objs)
+            ]
+            sizes[:] = [len(part) for part in parts]
+            payload = np.frombuffer(b"".join(parts), np.uint8)
+        mine = np.zeros(1, dtype=np.int64)
+        self._wait(self._comm.Iscatter(sizes, mine, root=root), what, timeout)
+        out = np.empty(int(mine[0]), dtype=np.uint8)
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+        send = [payload, sizes.tolist(), offsets, self._MPI.BYTE] if self.rank == root else None
+        self._wait(self._comm.Iscatterv(send, out, root=root), what, timeout)
+        if self.rank == root:
+            assert objs is not None
+            return objs[root]
+        return pickle.loads(out.tobytes())
 
     def agree(
         self,

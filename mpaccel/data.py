@@ -1,49 +1,41 @@
-"""The prepared dataloader: this rank's batches, dealt out by mpaccel.samplers (or, for an
-iterable dataset, by IterableDatasetShard), on its device, with the end-of-epoch tracking
-gather_for_metrics relies on (`remainder`: how many samples of the last round are real).
-"""
+"""The prepared dataloaders. `DataLoaderShard`: this rank reads its own batches, dealt out by
+mpaccel.samplers (or, for an iterable dataset, by IterableDatasetShard). `DataLoaderDispatcher`
+(mpaccel.dispatch): rank 0 reads and sends each rank its part. Both put batches on the device
+and keep the end-of-epoch tracking gather_for_metrics relies on (`remainder`: how many samples
+of the last round are real), and their position (`state_dict`) for resuming."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
-from .samplers import (
-    SeedableRandomSampler,
-    ShardedBatchSampler,
-    SingleItems,
-    SynchronizedSampler,
-    Unbatched,
-    _Shares,
-    synchronized,
-    synchronized_batches,
-)
+from .samplers import GeneratorReplay, ShardedBatchSampler, _Shares
 from .utils.operations import send_to_device
+from .utils.random import check_rng_types, rng_kind, synchronize_with
 
 __all__ = [
     "DataLoaderShard",
     "IterableDatasetShard",
-    "SeedableRandomSampler",
-    "ShardedBatchSampler",
     "SkipBatchSampler",
     "SkipDataLoader",
-    "SynchronizedSampler",
-    "prepare_data_loader",
+    "get_sampler",
     "skip_first_batches",
 ]
 
 
 class IterableDatasetShard(_Shares, IterableDataset):
-    """This rank's samples of an iterable dataset. Every rank reads the whole stream, cuts it into
-    global rounds of `total_batch_size` samples and keeps its slice of each (rank r: samples
-    [r*b, (r+1)*b) of the round, b = this process's batch size), so the loader built on it
-    deals batches as ShardedBatchSampler does. The last, short round is completed with the
-    stream's first samples (even_batches), left short (even_batches=False), or dropped
-    (drop_last). With batch_size=None (the dataset yields whole batches) b is one element.
+    """This rank's samples of an iterable dataset (Accelerate's arguments, in its order). Every
+    rank reads the whole stream, cuts it into global rounds of `total_batch_size` samples and
+    keeps its slice of each (rank r: samples [r*b, (r+1)*b) of the round, b = this process's
+    batch size), so the loader built on it deals batches as ShardedBatchSampler does. The last,
+    short round is completed with the stream's first samples (even_batches), left short
+    (even_batches=False), or dropped (drop_last). With batch_size=None (the dataset yields whole
+    batches) b is one element.
 
     The stream must be the same on every rank: a dataset with `set_epoch` gets the epoch; one
     without it, but with a torch.Generator `generator` attribute, has it seeded by (seed, epoch)
@@ -52,13 +44,14 @@ class IterableDatasetShard(_Shares, IterableDataset):
     def __init__(
         self,
         dataset: IterableDataset,
-        batch_size: int | None,
-        num_processes: int,
-        process_index: int,
-        split_batches: bool,
-        even_batches: bool,
-        drop_last: bool,
-        seed: int,
+        batch_size: int | None = 1,
+        drop_last: bool = False,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+        *,
+        even_batches: bool = True,
+        seed: int = 0,
     ) -> None:
         super().__init__(
             batch_size, num_processes, process_index, split_batches, even_batches, drop_last
@@ -107,16 +100,13 @@ class IterableDatasetShard(_Shares, IterableDataset):
         return rounds * per + min(max(rest - self.process_index * per, 0), per)
 
 
-_END = object()  # the end of an iterator, for next(iterator, _END)
+class PreparedLoader:
+    """What both prepared loaders share: the DataLoader inside (`base_dataloader`, which
+    answers for any other attribute), the epoch and position of the pass, device placement,
+    the random generators synchronised at the start of each pass, and `state_dict()`.
 
-
-class DataLoaderShard:
-    """A prepared dataloader: this rank's batches, on its device, with end-of-epoch tracking.
-
-    Iterating is local (no collective). `end_of_dataloader` is True while the last batch is out;
-    `remainder` is the number of real samples in the last global round: the dataset's length
-    modulo the total batch size (0: the last round is full; -1: no length, drop_last, or a batch
-    size that is not known). A dataset with `set_epoch` is told the epoch before every pass.
+    Subclasses give `_pass(skip)`: the pass's (batch, is_last) pairs after its first `skip`
+    batches. `remainder`: real samples in the last global round (0: it is full; -1: unknown).
     """
 
     def __init__(
@@ -127,14 +117,25 @@ class DataLoaderShard:
         device: torch.device | None,
         gradient_state: Any,
         non_blocking: bool = False,
+        rng_types: list[str] | None = None,
+        replay: GeneratorReplay | None = None,
     ) -> None:
-        self.base_dataloader = dataloader
+        self.base_dataloader: Any = dataloader  # a DataLoader, or torchdata's StatefulDataLoader
         self.sharding = sharding
         self.batch_sampler = dataloader.batch_sampler
         self.dataset = dataset
         self.device = device
         self.gradient_state = gradient_state
         self.non_blocking = non_blocking
+        self.replay = replay
+        self.synchronized_generator = replay.generator if replay is not None else None
+        kinds = [rng_kind(kind) for kind in rng_types or ()]
+        if replay is None:  # no generator of the user's to keep in step
+            kinds = [kind for kind in kinds if kind != "generator"]
+        self.rng_types = check_rng_types(kinds, self.synchronized_generator)
+        self.use_stateful_dataloader = hasattr(dataloader, "load_state_dict")
+        self._base_state: dict[str, Any] | None = None  # the stateful loader's, at the last batch
+        self._base_resumes = False  # load_state_dict gave the stateful loader its state
         self.end_of_dataloader = False
         self.iteration = 0  # the epoch of the pass under way, or of the next one
         self._started = False  # a pass of `iteration` has begun: the next pass moves on
@@ -149,10 +150,6 @@ class DataLoaderShard:
         if length is not None and total is not None and not sharding.drop_last:
             self.remainder = length % total
 
-    def __len__(self) -> int:
-        pending = self._skip if self._skip_counted else 0
-        return len(self.base_dataloader) - (pending or self._skipped)
-
     def __getattr__(self, name: str) -> Any:
         # Anything else a script reads from its loader (num_workers, collate_fn, pin_memory...)
         # is the DataLoader's inside, as in Accelerate.
@@ -164,13 +161,20 @@ class DataLoaderShard:
     def __class__(self) -> type:
         # isinstance(loader, torch.utils.data.DataLoader) holds, as for Accelerate's prepared
         # loaders: code that checks it (a trainer choosing its path) takes this for a DataLoader.
-        # type(loader) is still DataLoaderShard, and so is isinstance(loader, DataLoaderShard).
+        # type(loader) is still the prepared class, and isinstance(loader, DataLoaderShard) holds.
         base = self.__dict__.get("base_dataloader")
-        return DataLoaderShard if base is None else type(base)
+        return type(self) if base is None else type(base)
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         # pickle's own way would check __class__ against the real class, and refuse.
-        return (_new_shard, (), self.__dict__)
+        return (_new_loader, (type(self),), self.__dict__)
+
+    def _total_length(self) -> int:
+        return len(self.base_dataloader)
+
+    def __len__(self) -> int:
+        pending = self._skip if self._skip_counted else 0
+        return self._total_length() - (pending or self._skipped)
 
     @property
     def total_batch_size(self) -> int | None:
@@ -197,7 +201,7 @@ class DataLoaderShard:
         self._tell_epoch()
 
     def _tell_epoch(self) -> None:
-        sampler = self._sampler()
+        sampler = self.get_sampler()
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.iteration)
         # The loader's dataset: the user's map-style one, or the IterableDatasetShard (which
@@ -206,19 +210,86 @@ class DataLoaderShard:
         if hasattr(dataset, "set_epoch"):
             dataset.set_epoch(self.iteration)
 
-    def _sampler(self) -> Any:
+    def get_sampler(self) -> Any:
+        """The sampler that draws the order (None for an iterable dataset)."""
         return self.sharding.sampler
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Make the next pass start after its first `num_batches` batches (resuming); len()
         counts the batches that pass gives until it has run to its end."""
         self._skip, self._skip_counted = int(num_batches), True
+        self._base_resumes = False
 
     def _resume_at(self, num_batches: int) -> None:
         """load_state: the next pass starts after `num_batches` batches, as with
         skip_first_batches, but len() stays the whole epoch's: Accelerate's load_state leaves
         loaders alone, and scripts written for it work out where to resume from len(loader)."""
         self._skip, self._skip_counted = int(num_batches), False
+
+    # -- the position, for checkpoints ------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Not collective. Where this rank's loader stands: the epoch and, mid-epoch, the batches
+        it gave; with use_stateful_dataloader, the StatefulDataLoader's own state as of the
+        last batch given ("dataloader"). A pass whose last batch is out counts as over."""
+        running = self in self.gradient_state.__dict__.get("dataloader_references", ())
+        mid_epoch = running and not self.end_of_dataloader
+        state: dict[str, Any] = {
+            "iteration": self.iteration,
+            "started": self._started,
+            "mid_epoch": mid_epoch,
+            "epoch_seen": running and self.end_of_dataloader,
+            "batches_yielded": self.batches_yielded if mid_epoch else 0,
+            "total_batch_size": self.total_batch_size,
+            "num_processes": self.sharding.num_processes,
+        }
+        if self.use_stateful_dataloader:
+            base = self._base_state if running else None
+            state["dataloader"] = base if base is not None else self.base_dataloader.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Not collective. Resume from `state_dict()`: mid-epoch, the next pass replays the saved
+        epoch from the batch after the last one given (at another number of processes, from
+        the first sample not yet consumed); between passes, the next pass moves on."""
+        self.iteration = int(state["iteration"])
+        self._started = bool(state.get("started", False)) and not state["mid_epoch"]
+        self._epoch_seen = self.iteration if state.get("epoch_seen") else None
+        self._base_resumes = False
+        saved_world = int(state.get("num_processes", self.sharding.num_processes))
+        base = state.get("dataloader")
+        same_world = saved_world == self.sharding.num_processes
+        if state["mid_epoch"] and self.use_stateful_dataloader and base is not None and same_world:
+            self.base_dataloader.load_state_dict(base)
+            # The loader inside resumes by itself: the pass only counts the batches given.
+            self._base_resumes = state["mid_epoch"]
+            self.batches_yielded = int(state["batches_yielded"])
+            return
+        if state["mid_epoch"]:
+            self._resume_at(self._rescaled(state, saved_world))
+
+    def _rescaled(self, state: dict[str, Any], saved_world: int) -> int:
+        batches = int(state["batches_yielded"])
+        world = self.sharding.num_processes
+        if saved_world == world:
+            return batches
+        saved_total, total = state["total_batch_size"], self.total_batch_size
+        if saved_total is None or total is None:  # batches of no fixed size: count batches
+            consumed, unit, what = batches * saved_world, world, "batches"
+        else:
+            consumed, unit, what = batches * saved_total, total, "samples"
+        batches, rest = divmod(consumed, unit)
+        if rest:
+            warnings.warn(
+                f"resuming at another world size: {consumed} {what} were consumed, not a whole "
+                f"number of the new global batch ({unit} {what}); "
+                f"{rest} {what} of the epoch will be seen twice",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return batches
+
+    # -- iterating --------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
         # Every pass is a new epoch, whether the last one ran to its end or was left early (a
@@ -234,13 +305,65 @@ class DataLoaderShard:
         skip, counted = self._skip, self._skip_counted
         self._skip, self._skip_counted = 0, False
         self._skipped = skip if counted else 0
+        if self._base_resumes:  # the stateful loader inside starts where it was
+            self._base_resumes = False
+        else:
+            self.batches_yielded = skip
+        self._base_state = None
         self.gradient_state._add_dataloader(self)
         self.end_of_dataloader = False
-        self.batches_yielded = skip
         try:
             if seen:
                 self.end_of_dataloader = True
                 return
+            batches = self._pass(skip)
+            try:
+                for current, last in batches:
+                    self.end_of_dataloader = last
+                    self.batches_yielded += 1
+                    if self.device is not None:
+                        current = send_to_device(current, self.device, self.non_blocking)
+                    yield current
+            finally:
+                batches.close()  # left early: the pass's own clean-up runs now
+            self.end_of_dataloader = True
+            self._skipped = 0  # the resumed pass is over: len() counts whole passes again
+        finally:
+            self.gradient_state._remove_dataloader(self)
+
+    def _pass(self, skip: int) -> Generator[tuple[Any, bool], None, None]:
+        raise NotImplementedError
+
+    def _synchronize(self) -> None:
+        """Collective when there is anything to synchronise: rank 0's states of `rng_types`
+        (the user's generator, torch's...) on every rank, as each pass starts."""
+        if self.rng_types:
+            from .state import PartialState
+
+            synchronize_with(PartialState().comm, self.rng_types, self.synchronized_generator)
+
+    def _snapshot(self) -> None:
+        """With a StatefulDataLoader inside: its state now (call it right after fetching the
+        batch about to be given, before fetching the next one)."""
+        if self.use_stateful_dataloader:
+            self._base_state = self.base_dataloader.state_dict()
+
+
+_END = object()  # the end of an iterator, for next(iterator, _END)
+
+
+class DataLoaderShard(PreparedLoader):
+    """A prepared dataloader whose ranks each read their own batches: a map-style dataset's
+    batches dealt out by a ShardedBatchSampler, an iterable one's by an IterableDatasetShard.
+    Iterating is local, except that a loader shuffled with a generator of the user's has
+    rank 0's generator state sent to every rank as each pass starts (rng_types, as in
+    Accelerate)."""
+
+    def _pass(self, skip: int) -> Generator[tuple[Any, bool], None, None]:
+        self._synchronize()
+        if self.replay is not None:
+            self.replay.begin(self.iteration)
+        try:
             if isinstance(self.sharding, ShardedBatchSampler):
                 # Left out as index lists by the sampler: no sample of theirs is loaded.
                 self.sharding.skip_next = skip
@@ -255,21 +378,18 @@ class DataLoaderShard:
                     next(iterator, None)
             upcoming = next(iterator, _END)
             while upcoming is not _END:
-                current, upcoming = upcoming, next(iterator, _END)
-                self.end_of_dataloader = upcoming is _END
-                self.batches_yielded += 1
-                if self.device is not None:
-                    current = send_to_device(current, self.device, self.non_blocking)
-                yield current
-            self.end_of_dataloader = True
-            self._skipped = 0  # the resumed pass is over: len() counts whole passes again
+                current = upcoming
+                self._snapshot()
+                upcoming = next(iterator, _END)
+                yield current, upcoming is _END
         finally:
-            self.gradient_state._remove_dataloader(self)
+            if self.replay is not None:
+                self.replay.end(self.iteration)
 
 
-def _new_shard() -> DataLoaderShard:
-    """An empty DataLoaderShard, for unpickling (its __dict__ comes after)."""
-    return DataLoaderShard.__new__(DataLoaderShard)
+def _new_loader(cls: type) -> Any:
+    """An empty prepared loader of class `cls`, for unpickling (its __dict__ comes after)."""
+    return object.__new__(cls)
 
 
 class SkipBatchSampler(Sampler[list[Any]]):
@@ -285,6 +405,10 @@ class SkipBatchSampler(Sampler[list[Any]]):
 
     def __len__(self) -> int:
         return max(0, len(self.batch_sampler) - self.skip_batches)  # type: ignore[arg-type]
+
+    @property
+    def total_length(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
 
 
 class SkipDataLoader(DataLoader):
@@ -303,13 +427,14 @@ class SkipDataLoader(DataLoader):
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
-    """A prepared loader: the same one, whose next pass starts after `num_batches` batches
-    (DataLoaderShard.skip_first_batches). Any other: a new loader that leaves them out on every
-    pass, as Accelerate's does. A map-style dataset's skipped batches are not loaded."""
-    if type(dataloader) is DataLoaderShard:  # isinstance would say DataLoader too
-        dataloader.skip_first_batches(num_batches)
+    """A prepared loader (either kind): the same one, whose next pass starts after
+    `num_batches` batches (PreparedLoader.skip_first_batches). Any other: a new loader that
+    leaves them out on every pass, as Accelerate's does. A map-style dataset's skipped batches
+    are not loaded."""
+    if issubclass(type(dataloader), PreparedLoader):  # isinstance would say DataLoader too
+        dataloader.skip_first_batches(num_batches)  # type: ignore[attr-defined]
         return dataloader
-    kwargs = _loader_options(dataloader)
+    kwargs = loader_options(dataloader)
     kwargs["generator"] = dataloader.generator
     dataset = dataloader.dataset
     if not isinstance(dataset, IterableDataset) and dataloader.batch_sampler is not None:
@@ -327,7 +452,17 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     )
 
 
-def _loader_options(dataloader: DataLoader) -> dict[str, Any]:
+def get_sampler(dataloader: DataLoader) -> Any:
+    """The sampler that draws `dataloader`'s order: of its batch sampler, or of the batch
+    sampler given as `sampler` (a prepared loader's own answer for a prepared one)."""
+    if issubclass(type(dataloader), PreparedLoader):
+        return dataloader.get_sampler()  # type: ignore[attr-defined]
+    if isinstance(dataloader.sampler, BatchSampler):
+        return getattr(dataloader.sampler, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)
+
+
+def loader_options(dataloader: DataLoader) -> dict[str, Any]:
     """The options of `dataloader` a rebuilt one keeps (workers, collate_fn, pin_memory...)."""
     kwargs = {name: getattr(dataloader, name) for name in _COPIED if hasattr(dataloader, name)}
     if kwargs.get("num_workers", 0) == 0:
@@ -348,66 +483,3 @@ _COPIED = (
     "pin_memory_device",
     "in_order",
 )
-
-
-def prepare_data_loader(
-    dataloader: DataLoader,
-    num_processes: int,
-    process_index: int,
-    device: torch.device | None,
-    gradient_state: Any,
-    seed: int,
-    split_batches: bool = False,
-    even_batches: bool = True,
-    non_blocking: bool = False,
-) -> DataLoaderShard:
-    """Wrap `dataloader` so this rank sees its share. Not collective (the seed must already be
-    agreed on: the Accelerator broadcasts it over MPI)."""
-    kwargs = _loader_options(dataloader)
-    # A private generator: starting an iteration then draws its worker seed from here, not from
-    # the global torch RNG, so iterating does not shift the RNG a resumed run must reproduce.
-    generator = torch.Generator().manual_seed(seed + process_index)
-    dataset = dataloader.dataset
-    sharding: _Shares
-    if isinstance(dataset, IterableDataset):
-        # No sampler to shard (torch refuses one with an iterable dataset): shard the stream.
-        sharding = IterableDatasetShard(
-            dataset,
-            dataloader.batch_size,
-            num_processes,
-            process_index,
-            split_batches,
-            even_batches,
-            dataloader.drop_last,
-            seed,
-        )
-        rebuilt = DataLoader(
-            sharding,
-            batch_size=sharding.process_batch_size,
-            drop_last=dataloader.drop_last,
-            generator=generator,
-            **kwargs,
-        )
-    else:
-        # Without batch_size (None) the loader reads its sampler's items one by one: a batch
-        # sampler given as `sampler` (the dataset reads a list of indices at once) is dealt as
-        # if given as `batch_sampler`; the items of any other are dealt out as batches of no
-        # fixed size would be (at size 1: the loader's own items).
-        unbatched = dataloader.batch_sampler is None
-        batches: Any = dataloader.sampler if unbatched else dataloader.batch_sampler
-        if unbatched and not isinstance(batches, BatchSampler):
-            batches = SingleItems(synchronized(batches, seed))
-        sharding = ShardedBatchSampler(
-            synchronized_batches(batches, seed),
-            num_processes,
-            process_index,
-            split_batches,
-            even_batches,
-        )
-        if not unbatched:
-            kwargs["batch_sampler"] = sharding
-        else:
-            single = isinstance(batches, SingleItems)
-            kwargs.update(batch_size=None, sampler=Unbatched(sharding) if single else sharding)
-        rebuilt = DataLoader(dataset, generator=generator, **kwargs)
-    return DataLoaderShard(rebuilt, sharding, dataset, device, gradient_state, non_blocking)

@@ -12,7 +12,7 @@ its stream the same way (both are _Shares).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -41,24 +41,98 @@ class _EpochSeeded:
         return torch.Generator().manual_seed(self.seed + self.epoch)
 
 
-class SeedableRandomSampler(_EpochSeeded, RandomSampler):
-    """torch's RandomSampler (with its `replacement` and `num_samples`) drawing the same on every
-    rank: before each pass its `generator` is seeded by (seed, epoch)."""
+class SeedableRandomSampler(RandomSampler):
+    """torch's RandomSampler (same arguments) whose draw is a function of the seed and the epoch:
+    before each pass its `generator` (the one given, else its own) is seeded with
+    `initial_seed + epoch`, and a pass that runs to its end moves on to the next epoch.
+    `data_seed` (keyword) is the initial seed; None takes `torch.initial_seed()`."""
 
-    def __init__(
-        self,
-        data_source: Sized,
-        seed: int,
-        replacement: bool = False,
-        num_samples: int | None = None,
-    ) -> None:
-        RandomSampler.__init__(self, data_source, replacement, num_samples)
-        _EpochSeeded.__init__(self, seed)
-        self.initial_seed = self.seed  # Accelerate's name for it
+    def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.initial_seed = int(data_seed) if data_seed is not None else torch.initial_seed()
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch of the next pass."""
+        self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        self.generator = self._next_generator()
+        if self.generator is None:
+            self.generator = torch.Generator(device=torch.get_default_device())
+        self.generator.manual_seed(self.initial_seed + self.epoch)
         yield from RandomSampler.__iter__(self)
+        self.set_epoch(self.epoch + 1)  # not reached when the pass is left early
+
+
+class GeneratorReplay:
+    """Draws of a sampler that shuffles with a generator of the user's (`DataLoader(...,
+    shuffle=True, generator=g)`): what a plain loader would draw, epoch after epoch, and any
+    epoch again on demand.
+
+    A plain loader draws each pass from the generator as it stands: `begin(epoch)` takes the
+    generator as the first pass finds it for epoch 0, or, if the script changed it since the
+    last pass (reseeded it), for the epoch about to start; any other epoch's starting state is
+    that of the passes before it, drawn in full (each pass draws as a whole pass would, even
+    when left early). So set_epoch(e), or a resume at epoch e, replays epoch e exactly.
+    `base_draw`: the plain loader draws one integer from this generator before each pass
+    (the generator was also the DataLoader's own, from which torch takes its worker seed);
+    with persistent workers only before the first."""
+
+    def __init__(self, sampler: Any, base_draw: bool, persistent: bool) -> None:
+        self.sampler = sampler
+        self.base_draw = base_draw
+        self.persistent = persistent
+        self.starts: dict[int, torch.Tensor] = {}  # the generator's state as each epoch starts
+        self.left: torch.Tensor | None = None  # the state the last pass left it in
+
+    @property
+    def generator(self) -> torch.Generator:
+        return self.sampler.generator
+
+    def begin(self, epoch: int) -> None:
+        """Before the pass of `epoch` draws: set the generator to that epoch's start."""
+        now = self.generator.get_state()
+        if self.left is None or not torch.equal(now, self.left):
+            base = 0 if self.left is None else epoch
+            self.starts = {e: s for e, s in self.starts.items() if e < base}
+            self.starts[base] = now
+        self.generator.set_state(self._start(epoch))
+        self._draw_base(self.generator, epoch)
+
+    def end(self, epoch: int) -> None:
+        """After the pass of `epoch` (run to its end or left): the generator as a whole pass
+        leaves it."""
+        self.left = self._start(epoch + 1)
+        self.generator.set_state(self.left)
+
+    def _draw_base(self, generator: torch.Generator, epoch: int) -> None:
+        if self.base_draw and (not self.persistent or epoch == 0):
+            torch.empty((), dtype=torch.int64).random_(generator=generator)
+
+    def _start(self, epoch: int) -> torch.Tensor:
+        known = max((e for e in self.starts if e <= epoch), default=None)
+        if known is None:  # before the first epoch drawn: nothing earlier to draw from
+            known = min(self.starts)
+            return self.starts[known]
+        state = self.starts[known]
+        for e in range(known, epoch):
+            state = self._after(state, e)
+            self.starts[e + 1] = state
+        return state
+
+    def _after(self, state: torch.Tensor, epoch: int) -> torch.Tensor:
+        """The state a whole pass of `epoch` leaves, drawn on a scratch generator."""
+        scratch = torch.Generator(device=self.generator.device)
+        scratch.set_state(state)
+        self._draw_base(scratch, epoch)
+        own = self.sampler.generator
+        self.sampler.generator = scratch
+        try:
+            for _ in self.sampler:
+                pass
+        finally:
+            self.sampler.generator = own
+        return scratch.get_state()
 
 
 class SynchronizedSampler(_EpochSeeded, Sampler[Any]):
@@ -168,6 +242,11 @@ class ShardedBatchSampler(_Shares, Sampler[list[int]]):
     def sampler(self) -> Any:
         return getattr(self.batch_sampler, "sampler", None)
 
+    @property
+    def total_length(self) -> int:
+        """The batches of the whole loader (Accelerate's name)."""
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
     def _rounds(self) -> Iterator[list[list[int]]]:
         """Global rounds: lists of N per-rank batches (the last one possibly short)."""
         n = self.num_processes
@@ -249,29 +328,58 @@ class ShardedBatchSampler(_Shares, Sampler[list[int]]):
         )
 
 
-def synchronized(sampler: Any, seed: int) -> Any:
-    """`sampler` if it is not random; else one drawing the same on every rank."""
-    if isinstance(sampler, RandomSampler):
+def synchronized(
+    sampler: Any,
+    seed: int,
+    seedable: bool = False,
+    loader_generator: Any = None,
+    persistent: bool = False,
+) -> tuple[Any, GeneratorReplay | None]:
+    """`sampler`, made to draw the same on every rank, and the GeneratorReplay that follows
+    its generator (None when it has none of the user's). A sampler of no randomness is
+    returned as it is. `seedable`: a RandomSampler draws from seed + epoch even when it has a
+    generator (use_seedable_sampler). `loader_generator`, `persistent`: the DataLoader's own
+    generator, and whether it keeps its workers between passes."""
+    if isinstance(sampler, SeedableRandomSampler):
+        return sampler, None  # its draw is already a function of its seed and the epoch
+    generator = getattr(sampler, "generator", None)
+    if isinstance(sampler, RandomSampler) and (generator is None or seedable):
         # The same shuffled order on every rank, different each epoch; as many samples, with or
         # without replacement, as the user's sampler draws.
-        return SeedableRandomSampler(
-            sampler.data_source, seed, sampler.replacement, sampler._num_samples
+        replaced = SeedableRandomSampler(
+            sampler.data_source,
+            sampler.replacement,
+            sampler._num_samples,
+            generator=generator,
+            data_seed=seed,
         )
+        return replaced, None
+    if isinstance(generator, torch.Generator):
+        return sampler, GeneratorReplay(sampler, generator is loader_generator, persistent)
     if hasattr(sampler, "generator"):
         # Any other random sampler: drawing from each rank's own RNG, ranks would shard
         # different orders, seeing some samples twice and others never.
-        return SynchronizedSampler(sampler, seed)
-    return sampler
+        return SynchronizedSampler(sampler, seed), None
+    return sampler, None
 
 
-def synchronized_batches(batch_sampler: Iterable[list[int]], seed: int) -> Iterable[list[int]]:
-    """`batch_sampler`, its random sampler (if any) drawing the same on every rank."""
+def synchronized_batches(
+    batch_sampler: Iterable[list[int]],
+    seed: int,
+    seedable: bool = False,
+    loader_generator: Any = None,
+    persistent: bool = False,
+) -> tuple[Iterable[list[int]], GeneratorReplay | None]:
+    """`batch_sampler`, its random sampler (if any) drawing the same on every rank (see
+    synchronized)."""
     if not isinstance(batch_sampler, BatchSampler):
-        return batch_sampler
-    sampler = synchronized(batch_sampler.sampler, seed)
+        return batch_sampler, None
+    sampler, replay = synchronized(
+        batch_sampler.sampler, seed, seedable, loader_generator, persistent
+    )
     if sampler is batch_sampler.sampler:
-        return batch_sampler
-    return BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        return batch_sampler, replay
+    return BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last), replay
 
 
 class SingleItems:

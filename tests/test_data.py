@@ -16,7 +16,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from mpaccel import Accelerator
+from mpaccel import Accelerator, DataLoaderConfiguration
 from mpaccel.errors import ConfigurationError
 from mpaccel.testing import reset_state
 
@@ -24,6 +24,12 @@ from mpaccel.testing import reset_state
 def _fresh(**kwargs) -> Accelerator:
     reset_state()
     return Accelerator(**kwargs)
+
+
+def _sharded(**config) -> Accelerator:
+    """An accelerator whose loaders of iterable datasets are sharded (every rank reads the
+    stream) instead of dispatched from rank 0, Accelerate's default for them."""
+    return _fresh(dataloader_config=DataLoaderConfiguration(dispatch_batches=False, **config))
 
 
 def _lists(loader) -> list:
@@ -98,7 +104,7 @@ def test_an_iterable_dataset_is_dealt_like_the_same_samples_in_a_list(
     comm, split_batches, even_batches, drop_last
 ):
     for length, batch_size in [(10, 2), (23, 4), (3, 4), (16, 4)]:
-        acc = _fresh(split_batches=split_batches, even_batches=even_batches)
+        acc = _sharded(split_batches=split_batches, even_batches=even_batches)
         if split_batches and batch_size % comm.size:
             with pytest.raises(ConfigurationError, match="divisible"):
                 acc.prepare(DataLoader(Stream(length), batch_size=batch_size))
@@ -117,7 +123,7 @@ def test_an_iterable_dataset_is_dealt_like_the_same_samples_in_a_list(
 
 @pytest.mark.parametrize("even_batches", [True, False])
 def test_an_iterable_dataset_gives_each_rank_accelerates_batches(comm, even_batches):
-    acc = _fresh(even_batches=even_batches)
+    acc = _sharded(even_batches=even_batches)
     loader = acc.prepare(DataLoader(Stream(10), batch_size=2))
     expected = {
         # even_batches: the first samples are repeated to complete the last round
@@ -147,19 +153,21 @@ def test_an_iterable_dataset_gives_each_rank_accelerates_batches(comm, even_batc
         len(loader)
 
 
-def test_an_iterable_dataset_with_a_length_gathers_each_sample_once(comm):
-    acc = _fresh()
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_an_iterable_dataset_with_a_length_gathers_each_sample_once(comm, dispatch):
+    acc = _fresh(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
     loader = acc.prepare(DataLoader(SizedStream(23), batch_size=3))
-    assert loader.remainder == 23 % (3 * comm.size)
     assert len(loader) == -(-23 // (3 * comm.size))  # at size 1: the loader's 8 batches
     gathered = [acc.gather_for_metrics(batch) for batch in loader]
+    assert loader.remainder == 23 % (3 * comm.size)
     assert len(gathered) == len(loader)
     assert torch.cat(gathered).tolist() == list(range(23))
 
 
-def test_an_iterable_dataset_hears_the_epoch_and_its_generator_is_agreed(comm):
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_an_iterable_dataset_hears_the_epoch_and_its_generator_is_agreed(comm, dispatch):
     torch.manual_seed(1234 + comm.rank)  # each rank's own RNG differs: it must not matter
-    acc = _fresh()
+    acc = _fresh(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
     dataset = Stream(40)
     loader = acc.prepare(DataLoader(dataset, batch_size=2))
     loader.set_epoch(3)
@@ -227,7 +235,7 @@ def _unknown_size(source: str, batches: list[list[int]]) -> DataLoader:
 @pytest.mark.parametrize("even_batches", [True, False])
 @pytest.mark.parametrize("batches", [B4, B5], ids=["4_batches", "5_batches"])
 def test_batches_of_unknown_size_are_dealt_whole(comm, batches, even_batches, source):
-    acc = _fresh(even_batches=even_batches)
+    acc = _sharded(even_batches=even_batches)
     loader = acc.prepare(_unknown_size(source, batches))
     seen, flags = [], []
     for batch in loader:
@@ -248,10 +256,11 @@ def test_split_batches_needs_a_batch_size(comm, source):
     assert "HINT: use split_batches=False" in str(error.value)
 
 
+@pytest.mark.parametrize("dispatch", [False, True])
 @pytest.mark.parametrize("source", ["iterable", "batch_sampler"])
-def test_resume_mid_epoch(comm, mpi_tmp_path, source):
+def test_resume_mid_epoch(comm, mpi_tmp_path, source, dispatch):
     def prepared():
-        acc = _fresh()
+        acc = _fresh(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
         if source == "iterable":
             original = DataLoader(SizedStream(48), batch_size=2)
         else:
@@ -404,7 +413,7 @@ def test_random_sampler_with_replacement_keeps_its_num_samples(comm):
         # This rank's view of the epoch's draw (the sampler a checkpoint records): one and the
         # same on every rank, and this rank's batches are its share of it.
         loader.set_epoch(epoch)
-        draw = list(loader._sampler())
+        draw = list(loader.get_sampler())
         assert len(draw) == 40 and len(set(draw)) < 40  # drawn with replacement
         assert comm.allgather(draw) == [draw] * n
         batches = [draw[i : i + 5] for i in range(0, 40, 5)]
@@ -441,7 +450,7 @@ def test_an_unbatched_loader_keeps_its_items_and_shuffles_them_alike(comm):
 
 
 @pytest.mark.parametrize("leave", ["peek", "break"])
-@pytest.mark.parametrize("source", ["shuffled", "iterable"])
+@pytest.mark.parametrize("source", ["shuffled", "iterable", "dispatched"])
 def test_a_pass_left_early_still_moves_on_to_the_next_epoch(comm, leave, source):
     """Every pass is a new epoch: a loop that leaves each epoch after K steps sees new batches
     every epoch (as with Accelerate's default sampler, whose generator moves on), instead of the
@@ -451,6 +460,8 @@ def test_a_pass_left_early_still_moves_on_to_the_next_epoch(comm, leave, source)
         acc = _fresh()
         if source == "shuffled":
             return acc.prepare(DataLoader(list(range(24)), batch_size=2, shuffle=True))
+        if source == "dispatched":
+            acc.dataloader_config.dispatch_batches = True
         return acc.prepare(DataLoader(Stream(24), batch_size=2))
 
     reference = prepared()
@@ -578,3 +589,450 @@ def test_a_shuffling_loader_still_has_a_random_sampler(comm):
         assert sampler.num_samples == len(sampler) == 12
     plain = acc.prepare(DataLoader(list(range(12)), batch_size=2))
     assert not isinstance(plain.batch_sampler.sampler, RandomSampler)
+
+
+# -- Accelerate's configuration, its shuffling generators and prepare_data_loader -------------
+
+
+def test_the_dataloader_configuration_has_accelerates_fields_in_its_order(comm):
+    config = DataLoaderConfiguration(False, None, True)  # split, dispatch, even, as Accelerate
+    assert (config.split_batches, config.dispatch_batches, config.even_batches) == (
+        False,
+        None,
+        True,
+    )
+    fields = DataLoaderConfiguration(True, True, False, True, 7, True, True)
+    assert fields == DataLoaderConfiguration(
+        split_batches=True,
+        dispatch_batches=True,
+        even_batches=False,
+        use_seedable_sampler=True,
+        data_seed=7,
+        non_blocking=True,
+        use_stateful_dataloader=True,
+    )
+    assert DataLoaderConfiguration(dispatch_batches=True).to_kwargs() == {"dispatch_batches": True}
+    with pytest.raises(ConfigurationError, match=r"data_seed='7'") as error:
+        DataLoaderConfiguration(data_seed="7")
+    assert "HINT:" in str(error.value)
+    with pytest.raises(AttributeError, match="custom_sampler"):
+        DataLoaderConfiguration().custom_sampler = True
+
+
+def _global_order(comm, loader, passes: int, split: bool) -> list[list[int]]:
+    """The samples of each pass in the order one process would have seen them: the ranks'
+    batches put back together, round after round (split_batches: their slices of each batch)."""
+    mine = [[batch.tolist() for batch in loader] for _ in range(passes)]
+    everyone = comm.allgather(mine)
+    orders = []
+    for p in range(passes):
+        rounds = zip(*(rank[p] for rank in everyone))
+        orders.append([v for parts in rounds for part in parts for v in part])
+    return orders
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_generator_gives_the_order_of_the_plain_loader(comm, split, workers):
+    """DataLoader(..., shuffle=True, generator=g): at any world size the prepared loader deals
+    out the order the plain loader draws from g, epoch after epoch, including the draw torch
+    takes from g for its worker seeds (it ignored g and drew from its own seed)."""
+    n = comm.size
+    length, batch = 12 * n, 3 * n if split else 3
+    options = {"num_workers": workers, "multiprocessing_context": "fork" if workers else None}
+    plain_loader = DataLoader(
+        list(range(length)), batch_size=batch * (1 if split else n), shuffle=True,
+        generator=torch.Generator().manual_seed(42), **options,
+    )  # fmt: skip
+    plain = [[v for b in plain_loader for v in b.tolist()] for _ in range(3)]
+    torch.manual_seed(1234 + comm.rank)  # neither torch's RNG nor its seed may matter
+    g = torch.Generator().manual_seed(7 + comm.rank)  # rank 0's generator is the one followed
+    acc = _fresh(split_batches=split)
+    loader = acc.prepare(
+        DataLoader(list(range(length)), batch_size=batch, shuffle=True, generator=g, **options)
+    )
+    g.manual_seed(42)  # after prepare, as Accelerate's training_check does
+    assert _global_order(comm, loader, 3, split) == plain
+    loader.set_epoch(1)  # any epoch again, exactly
+    assert _global_order(comm, loader, 1, split) == plain[1:2]
+
+
+def test_a_generator_reseeded_between_passes_is_followed(comm):
+    """The plain loader draws from its generator as it stands: reseeding it before each epoch
+    repeats the order; the prepared loader does the same."""
+    g = torch.Generator()
+    acc = _fresh()
+    data = list(range(8 * comm.size))
+    loader = acc.prepare(DataLoader(data, batch_size=2, shuffle=True, generator=g))
+    plain_g = torch.Generator()
+    plain_loader = DataLoader(data, batch_size=2 * comm.size, shuffle=True, generator=plain_g)
+    orders, expected = [], []
+    for seed in (5, 5, 6):
+        g.manual_seed(seed)
+        plain_g.manual_seed(seed)
+        orders += _global_order(comm, loader, 1, False)
+        expected.append([v for b in plain_loader for v in b.tolist()])
+    assert orders == expected
+    assert orders[0] == orders[1] != orders[2]
+
+
+def test_a_checkpoint_resumes_the_order_of_a_loader_generator(comm, mpi_tmp_path):
+    """Saved in the middle of the third epoch of a loader shuffled by a generator of the user's,
+    and resumed by the same script (its generator seeded as before): the rest of that epoch
+    and the next are those of the uninterrupted run."""
+
+    def prepared():
+        acc = _fresh()
+        g = torch.Generator().manual_seed(3)
+        data = list(range(6 * comm.size))
+        return acc, acc.prepare(DataLoader(data, batch_size=2, shuffle=True, generator=g))
+
+    acc, loader = prepared()
+    stream = []
+    for epoch in range(4):
+        for step, batch in enumerate(loader):
+            stream.append(batch.tolist())
+            if epoch == 2 and step == 1:
+                acc.save_state(mpi_tmp_path / "ckpt")
+    acc, loader = prepared()
+    acc.load_state(mpi_tmp_path / "ckpt")
+    resumed = [batch.tolist() for _ in range(2) for batch in loader]
+    assert resumed == stream[len(stream) - len(resumed):]
+    assert len(resumed) == 1 + 3  # the rest of epoch 2 (3 batches per epoch), and epoch 3
+
+
+class Line(Dataset):
+    """y = 2x + 3 plus noise, as dicts of 0-d tensors."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, generator=g)
+        self.y = 2 * self.x + 3 + 0.1 * torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+class Affine(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(0.0))
+        self.b = torch.nn.Parameter(torch.tensor(0.0))
+
+    def forward(self, x):
+        return self.a * x + self.b
+
+
+def _shuffled(data, batch_size: int, g: torch.Generator, seedable: bool) -> DataLoader:
+    if seedable:
+        from mpaccel.data_loader import SeedableRandomSampler
+
+        sampler = SeedableRandomSampler(data_source=data, generator=g, num_samples=len(data))
+        return DataLoader(data, batch_size=batch_size, sampler=sampler)
+    return DataLoader(data, batch_size=batch_size, shuffle=True, generator=g)
+
+
+def _train(loader, model, step) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        for batch in loader:
+            opt.zero_grad()
+            step(torch.nn.functional.mse_loss(model(batch["x"]), batch["y"]))
+            opt.step()
+
+
+@pytest.mark.parametrize("seedable", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_training_on_shuffled_batches_gives_the_single_process_model(comm, split, seedable):
+    """Accelerate's training_check: N ranks training on a shuffled loader (a generator of the
+    user's, or a SeedableRandomSampler on it) end with the model of one process trained on the
+    N-times larger batches of the same loader (parameters differed by 2e-3 to 7e-3)."""
+    n, per_rank = comm.size, 8
+    data = Line(per_rank * 4 * n)
+    g = torch.Generator()
+    torch.manual_seed(42)
+    g.manual_seed(42)
+    reference = Affine()
+    _train(_shuffled(data, per_rank * n, g, seedable), reference, lambda loss: loss.backward())
+    config = DataLoaderConfiguration(split_batches=split, use_seedable_sampler=seedable)
+    acc = _fresh(dataloader_config=config)
+    loader, model = acc.prepare(
+        _shuffled(data, per_rank * n if split else per_rank, g, seedable), Affine()
+    )
+    torch.manual_seed(42)
+    g.manual_seed(42)
+    _train(loader, model, acc.backward)
+    trained = acc.unwrap_model(model)
+    torch.testing.assert_close(trained.a, reference.a, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(trained.b, reference.b, atol=1e-6, rtol=1e-6)
+
+
+def test_a_seedable_sampler_draws_from_its_seed_and_epoch(comm):
+    """SeedableRandomSampler(generator=...) as Accelerate has it: its generator reseeded with
+    initial seed + epoch at each pass, the epoch moving on after a pass that ran to its end."""
+    from mpaccel.data_loader import SeedableRandomSampler
+
+    g = torch.Generator()
+    sampler = SeedableRandomSampler(data_source=range(10), generator=g, data_seed=5)
+    assert sampler.initial_seed == 5 and sampler.generator is g
+    first, second = list(sampler), list(sampler)
+    assert first == torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
+    assert second == torch.randperm(10, generator=torch.Generator().manual_seed(6)).tolist()
+    iterator = iter(sampler)
+    next(iterator)
+    del iterator  # left early: the same epoch again
+    assert sampler.epoch == 2
+    sampler.set_epoch(0)
+    assert list(sampler) == first
+    torch.manual_seed(11)
+    assert SeedableRandomSampler(range(3)).initial_seed == 11  # torch.initial_seed()
+    with_replacement = SeedableRandomSampler(range(4), True, 9, data_seed=1)
+    assert len(list(with_replacement)) == 9
+
+
+def test_use_seedable_sampler_draws_from_the_seed_not_the_generator(comm):
+    """use_seedable_sampler=True: a loader's generator of its own no longer decides the order
+    (its state is ignored); the order is data_seed + epoch, as in Accelerate."""
+    n = comm.size
+    config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=9)
+    orders = []
+    for seed in (1, 2):
+        acc = _fresh(dataloader_config=config)
+        g = torch.Generator().manual_seed(seed)
+        data = list(range(8 * n))
+        loader = acc.prepare(DataLoader(data, batch_size=2, shuffle=True, generator=g))
+        orders.append(_global_order(comm, loader, 2, False))
+    assert orders[0] == orders[1]
+    expected = [torch.randperm(8 * n, generator=torch.Generator().manual_seed(9 + e)).tolist()
+                for e in (0, 1)]
+    assert orders[0] == expected
+    from mpaccel.data_loader import SeedableRandomSampler
+
+    assert isinstance(loader.batch_sampler.batch_sampler.sampler, SeedableRandomSampler)
+
+
+def test_prepare_data_loader_takes_accelerates_arguments(comm):
+    """The module function, called as Accelerate's scripts call it: the process count and index
+    default to the job's; sharded batches, gathered, are the loader's samples in order (also
+    with split_batches), and shuffled ones each sample once."""
+    from mpaccel.data_loader import prepare_data_loader
+    from mpaccel.state import PartialState
+
+    torch.manual_seed(100 + comm.rank)  # shuffles agree whatever each rank was seeded with
+    state = PartialState()
+    length = 16 * comm.size
+    for split in (False, True):
+        for shuffle in (False, True):
+            plain = DataLoader(range(length), batch_size=4 * comm.size if split else 4,
+                               shuffle=shuffle)
+            loader = prepare_data_loader(plain, state.device, put_on_device=True,
+                                         split_batches=split)
+            got = [v for rank in comm.allgather([b.tolist() for b in loader])
+                   for b in rank for v in b]
+            if shuffle:
+                assert sorted(got) == list(range(length))
+            else:
+                ordered = _global_order(comm, loader, 1, split)[0]
+                assert ordered == list(range(length))
+    positional = prepare_data_loader(DataLoader(range(8), batch_size=2), None, 2, 1)
+    assert [b.tolist() for b in positional] == [[2, 3], [6, 7]]  # rank 1 of 2, as asked
+
+
+def test_prepare_data_loader_keeps_a_custom_batch_sampler(comm):
+    from mpaccel.data_loader import prepare_data_loader
+
+    class Halves:
+        batch_size = 4
+
+        def __iter__(self):
+            return iter([[0, 1, 2, 3], [4, 5, 6, 7]])
+
+        def __len__(self):
+            return 2
+
+    custom = Halves()
+    loader = prepare_data_loader(DataLoader(list(range(8)), batch_sampler=custom), data_seed=0)
+    assert loader.batch_sampler.batch_sampler is custom
+    assert loader.get_sampler() is None
+
+
+def test_prepare_data_loader_puts_a_seedable_sampler_in_the_batch_sampler_shard(comm):
+    from mpaccel.data_loader import SeedableRandomSampler, prepare_data_loader
+
+    loader = prepare_data_loader(
+        DataLoader(list(range(10)), batch_size=1, shuffle=True), use_seedable_sampler=True
+    )
+    assert isinstance(loader.batch_sampler.batch_sampler.sampler, SeedableRandomSampler)
+    assert loader.get_sampler() is loader.batch_sampler.batch_sampler.sampler
+
+
+def test_synchronize_rng_states_gives_every_rank_rank_0s_states(comm):
+    from mpaccel.errors import CollectiveError
+    from mpaccel.utils import synchronize_rng_state, synchronize_rng_states
+    from mpaccel.utils.random import synchronize_rng_states as same
+
+    assert same is synchronize_rng_states
+    reset_state()
+    torch.manual_seed(comm.rank)
+    g = torch.Generator().manual_seed(10 + comm.rank)
+    synchronize_rng_states(["torch", "generator"], generator=g)
+    states = comm.allgather((torch.get_rng_state(), g.get_state()))
+    assert all(torch.equal(s[0], states[0][0]) and torch.equal(s[1], states[0][1]) for s in states)
+    assert torch.equal(g.get_state(), torch.Generator().manual_seed(10).get_state())
+    synchronize_rng_state("torch")
+    # A name that cannot be synchronised here: the same error on every rank, none left waiting.
+    last = comm.size - 1
+    with pytest.raises(CollectiveError) as error:
+        synchronize_rng_states(["no_such_rng" if comm.rank == last else "torch"])
+    assert error.value.failed_ranks == [last]
+    assert "'no_such_rng'" in str(error.value) and "HINT:" in str(error.value)
+    if not torch.cuda.is_available():
+        with pytest.raises(CollectiveError, match="no cuda device"):
+            synchronize_rng_states(["cuda"])
+
+
+def test_rng_types_synchronise_torchs_generator_at_each_pass(comm):
+    """Accelerator(rng_types=["torch"]): every pass starts from rank 0's torch RNG state."""
+    acc = _fresh(rng_types=["torch"])
+    loader = acc.prepare(DataLoader(list(range(4 * comm.size)), batch_size=2))
+    torch.manual_seed(comm.rank)
+    for _ in loader:
+        drawn = torch.rand(1).item()
+        break
+    assert comm.allgather(drawn) == [drawn] * comm.size
+    with pytest.raises(ConfigurationError, match="'xla'"):
+        _fresh(rng_types=["xla"]).prepare(DataLoader(list(range(4)), batch_size=2))
+
+
+@pytest.mark.parametrize("dispatch", [False, True])
+@pytest.mark.parametrize("source", ["shuffled", "iterable"])
+def test_the_prepared_loader_state_dict_resumes_mid_epoch(comm, source, dispatch):
+    """state_dict() mid-epoch, load_state_dict() later: the next pass gives the rest of that
+    epoch (Accelerate's test_stateful_dataloader, without torchdata). Its keys are the position
+    a checkpoint records (mpaccel.checkpoint's dataloader_position)."""
+    from mpaccel.checkpoint.training_state import dataloader_position
+
+    config = DataLoaderConfiguration(dispatch_batches=dispatch)
+    acc = _fresh(dataloader_config=config)
+    if source == "shuffled":
+        original = DataLoader(list(range(32 * comm.size)), batch_size=4, shuffle=True)
+    else:
+        original = DataLoader(SizedStream(32 * comm.size), batch_size=4)
+    loader = acc.prepare(original)
+    rest = []
+    for step, batch in enumerate(loader):
+        if step == 2:
+            saved = loader.state_dict()
+            assert saved.items() >= dataloader_position(loader).items()
+        if step > 2:
+            rest.append(batch.tolist())
+    assert loader.state_dict()["mid_epoch"] is False
+    loader.load_state_dict(saved)
+    assert [batch.tolist() for batch in loader] == rest
+
+
+def _stateful(**config) -> Accelerator:
+    return _fresh(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, **config))
+
+
+def test_use_stateful_dataloader_without_torchdata_says_what_to_install(comm):
+    import importlib.util
+
+    if importlib.util.find_spec("torchdata") is not None:
+        pytest.skip("torchdata is installed here")
+    with pytest.raises(ConfigurationError, match="torchdata") as error:
+        _stateful().prepare(DataLoader(list(range(4)), batch_size=2))
+    assert "HINT: pip install 'torchdata>=0.8'" in str(error.value)
+
+
+class Resumable(IterableDataset):
+    """range(n) as a stream that can say where it is (torchdata's Stateful), counting reads."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.position, self.read = n, 0, 0
+
+    def __iter__(self):
+        while self.position < self.n:
+            self.position += 1
+            self.read += 1
+            yield self.position - 1
+        self.position = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+@pytest.mark.parametrize("dispatch", [False, True])
+@pytest.mark.parametrize("source", ["shuffled", "iterable", "resumable"])
+def test_a_stateful_dataloader_resumes_through_its_own_state(comm, source, dispatch):
+    """use_stateful_dataloader=True (torchdata): the prepared loader is a StatefulDataLoader, its
+    state_dict() carries that loader's own state, and load_state_dict() resumes through it; a
+    dataset that keeps its own position (rank 0's, when dispatched) is not read again."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    if source == "resumable" and not dispatch:
+        pytest.skip("every rank reads its stream through IterableDatasetShard, which re-reads")
+    acc = _stateful(dispatch_batches=dispatch)
+    length = 32 * comm.size
+    if source == "shuffled":
+        dataset = list(range(length))
+        loader = acc.prepare(DataLoader(dataset, batch_size=4, shuffle=True))
+    else:
+        dataset = Resumable(length) if source == "resumable" else SizedStream(length)
+        loader = acc.prepare(DataLoader(dataset, batch_size=4))
+    assert isinstance(loader, stateful.StatefulDataLoader)
+    rest = []
+    for step, batch in enumerate(loader):
+        if step == 2:
+            saved = loader.state_dict()
+        if step > 2:
+            rest.append(batch.tolist())
+    if comm.rank == 0 or not dispatch:
+        assert saved["dataloader"] is not None
+    if source == "resumable":
+        dataset.read = 0
+    loader.load_state_dict(saved)
+    assert [batch.tolist() for batch in loader] == rest
+    if source == "resumable" and comm.rank == 0:
+        assert dataset.read == length - 3 * 4 * comm.size  # what follows the three batches
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_of_one_tensor_parallel_group_read_the_same_batches(comm):
+    """prepare_data_loader(torch_device_mesh=...): the data-parallel world is the mesh's
+    dp_replicate x dp_shard; the ranks of one tp group get the same batches (a real gloo mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mpaccel.data_loader import prepare_data_loader
+
+    _fresh()
+    n = comm.size
+    mesh = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+    plain = DataLoader(list(range(4 * n)), batch_size=2)
+    loader = prepare_data_loader(plain, torch_device_mesh=mesh)
+    everyone = comm.allgather([batch.tolist() for batch in loader])
+    groups = [everyone[r : r + 2] for r in range(0, n, 2)]
+    assert all(group[0] == group[1] for group in groups)
+    assert sorted(v for group in groups for b in group[0] for v in b) == list(range(4 * n))
+
+
+def test_the_shard_classes_take_accelerates_arguments(comm):
+    """BatchSamplerShard(batch_sampler, num_processes, process_index, split_batches,
+    even_batches) and IterableDatasetShard(dataset, batch_size, drop_last, num_processes,
+    process_index, split_batches), positionally as in Accelerate."""
+    from mpaccel.data_loader import BatchSamplerShard, IterableDatasetShard
+
+    shard = BatchSamplerShard(BatchSampler(range(10), 2, False), 2, 1, True, True)
+    assert list(shard) == [[1], [3], [5], [7], [9]] and shard.total_length == 5
+    stream = IterableDatasetShard(Stream(10), 2, False, 2, 1, False)
+    assert list(stream) == [2, 3, 6, 7, 0, 1]
+    dropped = IterableDatasetShard(Stream(10), 2, True, 2, 0, False)
+    assert list(dropped) == [0, 1, 4, 5]

@@ -22,7 +22,11 @@ from .operations import (
     send_to_device,
 )
 from .progress import tqdm
-from .random import set_seed
+from .random import (
+    set_seed,
+    synchronize_rng_state,
+    synchronize_rng_states,
+)
 
 __all__ = [
     "AutocastKwargs",
@@ -43,5 +47,7 @@ __all__ = [
     "reduce",
     "send_to_device",
     "set_seed",
+    "synchronize_rng_state",
+    "synchronize_rng_states",
     "tqdm",
 ]
