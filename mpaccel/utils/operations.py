@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..errors import DistributedOperationException as DistributedOperationException
 
 
 def _comm() -> Any:
