@@ -12,6 +12,42 @@ import torch
 from mpaccel import Accelerator
 from mpaccel.errors import CollectiveError
 from mpaccel.testing import reset_state
+from mpaccel.utils import DistributedType, LoggerType
+
+# Accelerate 1.15's members, value by value (accelerate/utils/dataclasses.py)
+ACCELERATE_ENUMS = {
+    "DistributedType": [
+        "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+        "MULTI_XPU", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM", "MULTI_HPU", "MULTI_NEURON",
+    ],
+    "LoggerType": [
+        "all", "aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml",
+        "dvclive", "swanlab",
+    ],
+    "PrecisionType": ["no", "fp8", "fp16", "bf16"],
+    "RNGType": [
+        "torch", "cuda", "mlu", "sdaa", "musa", "npu", "xla", "xpu", "hpu", "neuron", "generator",
+    ],
+    "DynamoBackend": [
+        "NO", "EAGER", "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER", "CUDAGRAPHS",
+        "OFI", "FX2TRT", "ONNXRT", "TENSORRT", "AOT_TORCHXLA_TRACE_ONCE", "TORCHXLA_TRACE_ONCE",
+        "TVM", "HPU_BACKEND", "NEURON",
+    ],
+    "DDPCommunicationHookType": ["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"],
+}
+
+
+def test_enums_have_every_member_accelerate_has():
+    import mpaccel.utils as utils
+    from mpaccel.utils import DynamoBackend, PrecisionType, RNGType
+
+    for name, values in ACCELERATE_ENUMS.items():
+        enum = getattr(utils, name)
+        assert [member.value for member in enum] == values, name
+        assert enum.list() == values
+    assert DistributedType.MULTI_NEURON == "MULTI_NEURON" and str(LoggerType.TRACKIO) == "trackio"
+    assert "fp16" in PrecisionType and "fp4" not in PrecisionType
+    assert RNGType("generator") is RNGType.GENERATOR and "INDUCTOR" in DynamoBackend
 
 
 @pytest.mark.mpi(min_size=2)

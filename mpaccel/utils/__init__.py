@@ -24,6 +24,17 @@ from .operations import (
 from .progress import tqdm
 from .random import set_seed
 
+# isort: split
+# -- Accelerate's names for memory, models, structures, availability, enums and plugins --------
+from .dataclasses import (
+    ComputeEnvironment,
+    DDPCommunicationHookType,
+    DynamoBackend,
+    PrecisionType,
+    RNGType,
+    SageMakerDistributedType,
+)
+
 __all__ = [
     "AutocastKwargs",
     "DataLoaderConfiguration",
@@ -44,4 +55,12 @@ __all__ = [
     "send_to_device",
     "set_seed",
     "tqdm",
+]
+__all__ += [
+    "ComputeEnvironment",
+    "DDPCommunicationHookType",
+    "DynamoBackend",
+    "PrecisionType",
+    "RNGType",
+    "SageMakerDistributedType",
 ]
