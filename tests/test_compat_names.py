@@ -4,8 +4,11 @@ reset, save/load pre-hooks, refused plugins, and Accelerate's signatures."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,6 +51,64 @@ def test_enums_have_every_member_accelerate_has():
     assert DistributedType.MULTI_NEURON == "MULTI_NEURON" and str(LoggerType.TRACKIO) == "trackio"
     assert "fp16" in PrecisionType and "fp4" not in PrecisionType
     assert RNGType("generator") is RNGType.GENERATOR and "INDUCTOR" in DynamoBackend
+
+
+def _really_installed(module: str) -> bool:
+    if importlib.util.find_spec(module) is None:
+        return False
+    try:
+        importlib.metadata.metadata(module)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "helper, module",
+    [
+        ("is_tensorboard_available", "tensorboard"),
+        ("is_wandb_available", "wandb"),
+        ("is_datasets_available", "datasets"),
+        ("is_transformers_available", "transformers"),
+        ("is_deepspeed_available", "deepspeed"),
+        ("is_comet_ml_available", "comet_ml"),
+        ("is_clearml_available", "clearml"),
+        ("is_dvclive_available", "dvclive"),
+        ("is_swanlab_available", "swanlab"),
+        ("is_pytest_available", "pytest"),
+        ("is_rich_available", "rich"),
+        ("is_torchvision_available", "torchvision"),
+    ],
+)
+def test_package_helpers_tell_what_is_installed_here(helper, module):
+    import mpaccel.utils as utils
+
+    assert getattr(utils, helper)() is _really_installed(module)
+
+
+def test_device_and_version_helpers_tell_this_machine(tmp_path, monkeypatch):
+    import mpaccel.utils as utils
+    from mpaccel.utils.imports import _installed
+
+    assert utils.is_cuda_available() is torch.cuda.is_available()
+    for helper in ("is_xpu_available", "is_npu_available", "is_mlu_available",
+                   "is_musa_available", "is_hpu_available", "is_torch_xla_available"):
+        assert getattr(utils, helper)() is False, helper  # none of them on this machine
+    if not torch.cuda.is_available():
+        assert utils.is_bf16_available() is True  # CPUs compute in bf16
+    assert utils.is_fp16_available() is True
+    assert utils.is_torch_version(">=", "2.0") and not utils.is_torch_version("<", "2.0")
+    assert utils.compare_versions("numpy", "==", np.__version__)
+    assert utils.compare_versions("1.10.0", ">", "1.9")  # versions, not strings
+    with pytest.raises(ValueError, match="operation"):
+        utils.compare_versions("1.0", "=>", "1.0")
+    # A directory that happens to bear a package's name is not the package
+    (tmp_path / "mpaccel_fake_pkg").mkdir()
+    (tmp_path / "mpaccel_fake_pkg" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("mpaccel_fake_pkg") is not None
+    assert _installed("mpaccel_fake_pkg") is False
+    assert _installed("numpy") is True
 
 
 @pytest.mark.mpi(min_size=2)
