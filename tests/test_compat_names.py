@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import pickle
+from collections import namedtuple
 
 import numpy as np
 import pytest
@@ -135,3 +136,26 @@ def test_shape_mismatches_raise_distributed_operation_exception(comm):
     copy = pickle.loads(pickle.dumps(info.value))
     assert type(copy) is DistributedOperationException and str(copy) == str(info.value)
     acc.wait_for_everyone()  # still in step
+
+
+def test_structure_helpers():
+    from mpaccel.utils import concatenate, find_batch_size, recursively_apply
+
+    Pair = namedtuple("Pair", "a b")
+    data = {"x": [torch.ones(3, 2), (torch.zeros(3), "text")], "p": Pair(torch.ones(3), 1)}
+    doubled = recursively_apply(lambda t, k: t * k, data, 2)
+    assert type(doubled["p"]) is Pair and doubled["p"].b == 1 and doubled["x"][1][1] == "text"
+    assert torch.equal(doubled["x"][0], torch.full((3, 2), 2.0))
+    with pytest.raises(TypeError, match="str"):
+        recursively_apply(torch.neg, ["a"], error_on_other_type=True)
+    assert find_batch_size(data) == 3
+    with pytest.raises(ValueError, match="empty"):
+        find_batch_size([])
+    with pytest.raises(TypeError, match="tensors"):
+        find_batch_size(["a"])
+    batch = {"x": [torch.ones(3, 2), (torch.zeros(3),)], "p": Pair(torch.ones(3), torch.ones(3))}
+    joined = concatenate([batch, batch])
+    assert joined["x"][0].shape == (6, 2) and type(joined["p"]) is Pair
+    assert joined["p"].a.shape == (6,) and joined["x"][1][0].shape == (6,)
+    with pytest.raises(TypeError, match="tensors"):
+        concatenate([["a"], ["b"]])

@@ -94,6 +94,15 @@ from .imports import (
     is_xccl_available,
     is_xpu_available,
 )
+from .operations import (
+    DistributedOperationException,
+    concatenate,
+    find_batch_size,
+    honor_type,
+    is_namedtuple,
+    is_torch_tensor,
+    recursively_apply,
+)
 
 __all__ = [
     "AutocastKwargs",
@@ -119,11 +128,15 @@ __all__ = [
 __all__ += [
     "ComputeEnvironment",
     "DDPCommunicationHookType",
+    "DistributedOperationException",
     "DynamoBackend",
     "PrecisionType",
     "RNGType",
     "SageMakerDistributedType",
     "compare_versions",
+    "concatenate",
+    "find_batch_size",
+    "honor_type",
     "is_4bit_bnb_available",
     "is_8bit_bnb_available",
     "is_aim_available",
@@ -151,6 +164,7 @@ __all__ += [
     "is_mps_available",
     "is_msamp_available",
     "is_musa_available",
+    "is_namedtuple",
     "is_neuron_available",
     "is_npu_available",
     "is_pandas_available",
@@ -166,6 +180,7 @@ __all__ += [
     "is_swanlab_available",
     "is_tensorboard_available",
     "is_timm_available",
+    "is_torch_tensor",
     "is_torch_version",
     "is_torch_xla_available",
     "is_torchao_available",
@@ -181,4 +196,5 @@ __all__ += [
     "is_weights_only_available",
     "is_xccl_available",
     "is_xpu_available",
+    "recursively_apply",
 ]
