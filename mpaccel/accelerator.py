@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import checkpoint, distributed, ops, tracking
+from . import checkpoint, distributed, ops, tracking, training
 from . import slurm as slurm_support
 from .data import DataLoaderShard, prepare_data_loader, skip_first_batches
 from .errors import ConfigurationError
@@ -26,7 +26,6 @@ from .training import (
     autocast_context,
     make_grad_scaler,
     patch_forward,
-    unpatch_forward,
 )
 from .utils.dataclasses import (
     AutocastKwargs,
@@ -649,18 +648,24 @@ class Accelerator:
 
     # -- models and memory -----------------------------------------------------------------------
 
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> Any:
-        """The user's model without DDP (and, with keep_fp32_wrapper=False, without autocast)."""
-        while distributed.is_ddp(model) or hasattr(model, "_orig_mod"):
-            model = model.module if distributed.is_ddp(model) else model._orig_mod  # type: ignore
-        if not keep_fp32_wrapper:
-            unpatch_forward(model)
-        return model
+    def unwrap_model(
+        self,
+        model: torch.nn.Module,
+        keep_fp32_wrapper: bool = True,
+        keep_torch_compile: bool = True,
+    ) -> Any:
+        """The user's model without DDP (and, with keep_fp32_wrapper=False, without autocast).
+        A compiled model comes back compiled (around the unwrapped module) unless
+        keep_torch_compile=False."""
+        return training.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """Not collective. The model's state_dict (of the unwrapped model by default: no
-        `module.` prefix from DDP), as Accelerate's, to save it or hand it to another library."""
-        return (self.unwrap_model(model) if unwrap else model).state_dict()
+        `module.` prefix from DDP, nor `_orig_mod.` from torch.compile), as Accelerate's, to
+        save it or hand it to another library."""
+        if unwrap:
+            model = self.unwrap_model(model, keep_torch_compile=False)
+        return model.state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         """torch.save (or safetensors) on the main process only; others do nothing."""

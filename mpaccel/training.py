@@ -4,6 +4,7 @@ gradient accumulation and fp16 loss scaling, and the mixed-precision forward of 
 from __future__ import annotations
 
 import functools
+import sys
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -33,6 +34,41 @@ def make_grad_scaler(
     if mixed_precision != "fp16":
         return None
     return torch.amp.GradScaler(device.type, **(options or {}))
+
+
+def is_compiled_module(module: Any) -> bool:
+    """`module` is torch.compile's wrapper (an OptimizedModule)."""
+    # torch imports its compiler only when something is compiled: no compiled module without it
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def unwrap_model(
+    model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+) -> Any:
+    """The user's module inside DistributedDataParallel/DataParallel and torch.compile's wrapper.
+    `keep_fp32_wrapper=False` also removes the mixed-precision forward; `keep_torch_compile`:
+    a compiled model comes back compiled, around the unwrapped module (a new wrapper when DDP
+    sat between them, so the prepared model is left as it is)."""
+    from torch.nn import DataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    compiled = None
+    while True:
+        if is_compiled_module(model):
+            compiled = compiled or model
+            model = model._orig_mod
+        elif isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        else:
+            break
+    if not keep_fp32_wrapper:
+        unpatch_forward(model)
+    if not keep_torch_compile or compiled is None:
+        return model
+    if compiled._orig_mod is model:
+        return compiled
+    return type(compiled)(model, compiled.dynamo_ctx)
 
 
 def patch_forward(

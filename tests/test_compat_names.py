@@ -159,3 +159,14 @@ def test_structure_helpers():
     assert joined["p"].a.shape == (6,) and joined["x"][1][0].shape == (6,)
     with pytest.raises(TypeError, match="tensors"):
         concatenate([["a"], ["b"]])
+
+
+def test_extract_model_from_parallel_and_wait_for_everyone(comm):
+    from mpaccel.utils import extract_model_from_parallel, wait_for_everyone
+
+    reset_state()
+    acc = Accelerator()
+    inner = torch.nn.Linear(2, 2)
+    model = acc.prepare(inner)
+    assert extract_model_from_parallel(model) is inner
+    wait_for_everyone()

@@ -103,6 +103,7 @@ from .operations import (
     is_torch_tensor,
     recursively_apply,
 )
+from .other import extract_model_from_parallel, is_compiled_module, wait_for_everyone
 
 __all__ = [
     "AutocastKwargs",
@@ -135,6 +136,7 @@ __all__ += [
     "SageMakerDistributedType",
     "compare_versions",
     "concatenate",
+    "extract_model_from_parallel",
     "find_batch_size",
     "honor_type",
     "is_4bit_bnb_available",
@@ -147,6 +149,7 @@ __all__ += [
     "is_boto3_available",
     "is_clearml_available",
     "is_comet_ml_available",
+    "is_compiled_module",
     "is_cuda_available",
     "is_datasets_available",
     "is_deepspeed_available",
@@ -197,4 +200,5 @@ __all__ += [
     "is_xccl_available",
     "is_xpu_available",
     "recursively_apply",
+    "wait_for_everyone",
 ]
