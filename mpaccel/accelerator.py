@@ -4,7 +4,6 @@ switches on the kind of distributed set-up."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -38,6 +37,7 @@ from .utils.dataclasses import (
     KwargsHandler,
     ProjectConfiguration,
 )
+from .utils.memory import release_memory
 
 
 def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, KwargsHandler]:
@@ -807,10 +807,7 @@ class Accelerator:
         self._schedulers.clear()
         self._dataloaders.clear()
         self.step = 0
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return [None for _ in objects]
+        return release_memory(*objects)
 
     def clear(self, *objects: Any) -> list[Any]:
         return self.free_memory(*objects)

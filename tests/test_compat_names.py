@@ -7,14 +7,15 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import pickle
+import weakref
 from collections import namedtuple
 
 import numpy as np
 import pytest
 import torch
 
-from mpaccel import Accelerator
-from mpaccel.errors import CollectiveError
+from mpaccel import Accelerator, PartialState
+from mpaccel.errors import CollectiveError, ConfigurationError
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedType, LoggerType
 
@@ -110,6 +111,72 @@ def test_device_and_version_helpers_tell_this_machine(tmp_path, monkeypatch):
     assert importlib.util.find_spec("mpaccel_fake_pkg") is not None
     assert _installed("mpaccel_fake_pkg") is False
     assert _installed("numpy") is True
+
+
+def test_release_memory_drops_the_references():
+    from mpaccel.utils.memory import release_memory
+
+    a, b = torch.ones(1000), torch.ones(10)
+    watch = weakref.ref(a)
+    a, b = release_memory(a, b)
+    assert (a, b) == (None, None) and watch() is None
+
+
+def _oom():
+    return RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_find_executable_batch_size_agrees_on_the_batch_size(comm):
+    """Every rank ends with the same batch size and the same attempts, even where only one
+    rank ran out of memory (the others would otherwise have gone on alone)."""
+    from mpaccel.utils.memory import find_executable_batch_size
+
+    reset_state()
+    PartialState()
+    limit = 110 if comm.rank == comm.size - 1 else 1000  # the last rank has less memory
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=128)
+    def train(batch_size, scale):
+        tried.append(batch_size)
+        if batch_size > limit:
+            raise _oom()
+        return batch_size * scale
+
+    assert train(2) == 2 * 103  # 128 -> 115 -> 103
+    assert tried == [128, 115, 103]
+    assert comm.allgather(tried) == [tried] * comm.size
+
+
+def test_find_executable_batch_size_errors(comm):
+    from mpaccel.utils.memory import find_executable_batch_size
+
+    reset_state()
+    PartialState()
+
+    @find_executable_batch_size(starting_batch_size=4, reduce_batch_size_fn=lambda: 0)
+    def never_fits(batch_size):
+        raise _oom()
+
+    with pytest.raises(ConfigurationError, match="no batch size fits"):
+        never_fits()
+
+    @find_executable_batch_size(starting_batch_size=8)
+    def broken(batch_size):
+        if comm.rank == 0:
+            raise ValueError("Oops, we had an error!")
+        return batch_size
+
+    with pytest.raises(CollectiveError, match="Oops, we had an error!") as info:
+        broken()  # every rank, not only rank 0, learns of it
+    assert info.value.failed_ranks == [0]
+
+    @find_executable_batch_size(starting_batch_size=8)
+    def takes_batch_size(batch_size, arg):
+        return arg
+
+    with pytest.raises(TypeError, match="passes it itself"):
+        takes_batch_size(8, "x")
 
 
 @pytest.mark.mpi(min_size=2)

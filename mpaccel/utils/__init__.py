@@ -94,6 +94,7 @@ from .imports import (
     is_xccl_available,
     is_xpu_available,
 )
+from .memory import find_executable_batch_size, release_memory
 from .operations import (
     DistributedOperationException,
     concatenate,
@@ -138,6 +139,7 @@ __all__ += [
     "concatenate",
     "extract_model_from_parallel",
     "find_batch_size",
+    "find_executable_batch_size",
     "honor_type",
     "is_4bit_bnb_available",
     "is_8bit_bnb_available",
@@ -200,5 +202,6 @@ __all__ += [
     "is_xccl_available",
     "is_xpu_available",
     "recursively_apply",
+    "release_memory",
     "wait_for_everyone",
 ]
