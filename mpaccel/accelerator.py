@@ -23,6 +23,7 @@ from .training import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
     autocast_context,
+    compile_model,
     make_grad_scaler,
     patch_forward,
 )
@@ -31,11 +32,13 @@ from .utils.dataclasses import (
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     DistributedType,
+    DynamoBackend,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
     ProjectConfiguration,
+    TorchDynamoPlugin,
 )
 from .utils.memory import release_memory
 
@@ -85,7 +88,8 @@ class Accelerator:
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: list[KwargsHandler] | None = None,
-        dynamo_backend: Any = None,
+        dynamo_backend: DynamoBackend | str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         even_batches: bool | None = None,
     ) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
@@ -103,6 +107,13 @@ class Accelerator:
             gradient_accumulation_plugin = GradientAccumulationPlugin(
                 num_steps=gradient_accumulation_steps
             )
+        if dynamo_plugin is not None and dynamo_backend is not None:
+            raise ConfigurationError(
+                f"pass either dynamo_backend ({dynamo_backend!r}) or dynamo_plugin, not both",
+                "put the backend in the plugin: TorchDynamoPlugin(backend=...).",
+            )
+        if dynamo_plugin is None:
+            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
         handlers = _handlers_by_type(kwargs_handlers)
         pg = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
         if dataloader_config is None:
@@ -117,6 +128,7 @@ class Accelerator:
         self.state = AcceleratorState(
             mixed_precision=mixed_precision,
             cpu=cpu,
+            dynamo_plugin=dynamo_plugin,
             deepspeed_plugin=deepspeed_plugin,
             fsdp_plugin=fsdp_plugin,
             megatron_lm_plugin=megatron_lm_plugin,
@@ -131,7 +143,6 @@ class Accelerator:
         self.rng_types = rng_types if rng_types is not None else ["generator"]
         self.log_with = tracking.resolve(log_with)  # an unknown tracker is an error now
         self.trackers: list[tracking.GeneralTracker] = []
-        self.dynamo_backend = dynamo_backend
         self._trigger = 0
         self.step = 0  # micro-batches since the last optimizer step (gradient accumulation)
         self.ddp_handler = handlers.get(DistributedDataParallelKwargs)
@@ -398,10 +409,13 @@ class Accelerator:
         evaluation_mode: bool = False,
     ) -> torch.nn.Module:
         """Collective when distributed (DDP broadcasts rank 0's parameters and buffers). A
-        model prepared already (or the module inside one) gives back its prepared model."""
+        model prepared already (or the module inside one) gives back its prepared model.
+        With a dynamo backend (Accelerator(dynamo_backend=...) or dynamo_plugin=), the model
+        returned is torch.compile's wrapper around it, made last, as Accelerate does."""
+        inner = self.unwrap_model(model, keep_torch_compile=False)
         for prepared in self._models:
-            if model is prepared or model is self.unwrap_model(prepared):
-                return prepared
+            if inner is self.unwrap_model(prepared, keep_torch_compile=False):
+                return model if training.is_compiled_module(model) else prepared
         if device_placement if device_placement is not None else self.device_placement:
             model = model.to(self.device)
         patch_forward(model, self.mixed_precision, self.device, self._autocast_options())
@@ -411,6 +425,11 @@ class Accelerator:
             options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
             model = distributed.wrap_ddp(model, self.device, **options)
             self._models[-1] = model
+        plugin = self.state.dynamo_plugin
+        if plugin.backend != DynamoBackend.NO:
+            # Only the user's copy is compiled: checkpoints work on the model kept in _models,
+            # and no_sync, accumulate and Join find the DDP inside the compiled one.
+            return compile_model(model, plugin.to_kwargs())
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
@@ -502,6 +521,8 @@ class Accelerator:
                 stacklevel=3,
             )
         try:
+            # The DDP inside a compiled model is the Joinable
+            joinables = [distributed.ddp_of(j) or j for j in joinables]
             with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
                 yield
         finally:
@@ -538,13 +559,10 @@ class Accelerator:
 
     @contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
-        """Gradients computed in this block are not all-reduced (DDP only; a no-op otherwise)."""
-        context = (
-            model.no_sync()  # type: ignore[operator]
-            if distributed.is_ddp(model)
-            else contextlib.nullcontext()
-        )
-        with context:
+        """Gradients computed in this block are not all-reduced (DDP only, compiled or not; a
+        no-op otherwise)."""
+        ddp = distributed.ddp_of(model)
+        with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
             yield
 
     @contextmanager
@@ -552,10 +570,10 @@ class Accelerator:
         """The backward of this block all-reduces the gradients, even inside no_sync() (DDP
         only; a no-op otherwise): for a last micro-batch whose forward ran under no_sync, as in
         Accelerate. Relies on DDP internals, as Accelerate's does."""
-        if not distributed.is_ddp(model):
+        ddp: Any = distributed.ddp_of(model)
+        if ddp is None:
             yield
             return
-        ddp: Any = model
         saved = (ddp.require_backward_grad_sync, ddp.require_forward_param_sync)
         ddp.require_backward_grad_sync = True
         ddp.require_forward_param_sync = True

@@ -336,3 +336,11 @@ def is_ddp(model: Any) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     return isinstance(model, DistributedDataParallel)
+
+
+def ddp_of(model: Any) -> Any:
+    """The DistributedDataParallel `model` is, or holds under torch.compile's wrapper (which
+    prepare() puts outside DDP); None if there is none."""
+    while not is_ddp(model) and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model if is_ddp(model) else None

@@ -29,6 +29,7 @@ from .utils.dataclasses import (
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
+    TorchDynamoPlugin,
     as_timedelta,
 )
 
@@ -467,7 +468,7 @@ class AcceleratorState:
             return
         self._partial = partial
         self._mixed_precision: str = requested or "no"
-        self.dynamo_plugin = dynamo_plugin
+        self.dynamo_plugin = dynamo_plugin if dynamo_plugin is not None else TorchDynamoPlugin()
         self.deepspeed_plugins: dict[str, Any] = {}
         self.fsdp_plugin = None
         self.megatron_lm_plugin = None

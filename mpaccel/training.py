@@ -71,6 +71,13 @@ def unwrap_model(
     return type(compiled)(model, compiled.dynamo_ctx)
 
 
+def compile_model(model: torch.nn.Module, compile_kwargs: dict[str, Any]) -> torch.nn.Module:
+    """torch.compile(model, **compile_kwargs), unless it is compiled already."""
+    if is_compiled_module(model):
+        return model
+    return torch.compile(model, **compile_kwargs)  # type: ignore[return-value]
+
+
 def patch_forward(
     model: torch.nn.Module,
     mixed_precision: str,

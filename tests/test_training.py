@@ -882,3 +882,74 @@ def test_trigger_sync_in_backward_all_reduces_inside_no_sync(comm):
     assert all(torch.equal(synced, g) for g in comm.allgather(synced))
     mean = sum(comm.allgather(local)) / comm.size
     assert torch.allclose(synced, mean)
+
+
+# -- torch.compile (dynamo_backend / dynamo_plugin) ----------------------------------------------
+
+
+def _train_steps(acc, model, opt, dataset, steps_per_update):
+    loader = acc.prepare(DataLoader(dataset, batch_size=GLOBAL_BATCH // acc.num_processes))
+    for x, y in loader:
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.slow  # torch's compiler takes 3-8 s to import here
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_dynamo_backend_compiles_the_prepared_model(comm, accumulation):
+    """Accelerator(dynamo_backend=...) compiled nothing: the model is now torch.compile's
+    wrapper (around DDP at size > 1) and trains as the uncompiled single-process reference,
+    accumulate() still suppressing DDP's all-reduce through the wrapper."""
+    from mpaccel.training import is_compiled_module
+
+    acc = _fresh(dynamo_backend="eager", gradient_accumulation_steps=accumulation)
+    assert acc.state.dynamo_plugin.backend == "EAGER"
+    inner = _model()
+    model, opt = acc.prepare(inner, torch.optim.SGD(inner.parameters(), lr=0.05))
+    assert is_compiled_module(model)
+    assert acc.prepare(model) is model  # prepared already
+    reduces = _count_all_reduces(distributed.ddp_of(model)) if comm.size > 1 else []
+    dataset = _data()
+    _train_steps(acc, model, opt, dataset, accumulation)
+    if comm.size > 1:  # one bucket: one all-reduce per optimizer step, none in between
+        assert len(reduces) == len(dataset) // GLOBAL_BATCH // accumulation
+    expected = _params(_reference(dataset, accumulation, epochs=1))
+    assert torch.allclose(_params(acc.unwrap_model(model)), expected, atol=1e-5)
+    # unwrap_model: compiled around the user's module by default, bare on request
+    kept = acc.unwrap_model(model)
+    assert is_compiled_module(kept) and kept._orig_mod is inner
+    assert acc.unwrap_model(model, keep_torch_compile=False) is inner
+    assert list(acc.get_state_dict(model)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert acc._models[0] is not model  # checkpoints see the uncompiled model
+
+
+def test_dynamo_plugin_options_reach_torch_compile(comm, monkeypatch):
+    from mpaccel.utils import TorchDynamoPlugin
+
+    seen = {}
+
+    def fake_compile(model, **kwargs):
+        seen.update(kwargs)
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False)
+    acc = _fresh(dynamo_plugin=plugin)
+    acc.prepare(_model())
+    assert seen == {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
+    seen.clear()
+    _fresh(dynamo_backend="no").prepare(_model())
+    assert seen == {}
+
+
+@pytest.mark.slow  # inductor compiles C++ (14 s the first time on this machine)
+def test_inductor_backend(comm):
+    from mpaccel.training import is_compiled_module
+
+    acc = _fresh(dynamo_backend="inductor")
+    model = acc.prepare(_model())
+    assert is_compiled_module(model)
+    x = torch.randn(4, 8)
+    assert torch.allclose(model(x), acc.unwrap_model(model, keep_torch_compile=False)(x))

@@ -33,6 +33,7 @@ from .dataclasses import (
     PrecisionType,
     RNGType,
     SageMakerDistributedType,
+    TorchDynamoPlugin,
 )
 from .imports import (
     compare_versions,
@@ -135,6 +136,7 @@ __all__ += [
     "PrecisionType",
     "RNGType",
     "SageMakerDistributedType",
+    "TorchDynamoPlugin",
     "compare_versions",
     "concatenate",
     "extract_model_from_parallel",

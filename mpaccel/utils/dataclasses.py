@@ -309,3 +309,49 @@ class ProjectConfiguration(KwargsHandler):
         self.project_dir = project_dir
         if self.logging_dir is None:
             self.logging_dir = project_dir
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """torch.compile for the prepared models: `Accelerator(dynamo_plugin=...)`, or
+    `Accelerator(dynamo_backend="inductor")` for the defaults. backend: a DynamoBackend or its
+    name (None: "no", no compilation); mode, fullgraph, dynamic, options, disable: torch.compile's.
+    Unlike Accelerate, the ACCELERATE_DYNAMO_* variables are not read."""
+
+    backend: Any = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self) -> None:
+        name = "no" if self.backend is None else str(getattr(self.backend, "value", self.backend))
+        if name.upper() not in DynamoBackend:
+            raise ConfigurationError(
+                f"TorchDynamoPlugin(backend={self.backend!r}) is not a dynamo backend",
+                f"use one of {[b.lower() for b in DynamoBackend.list()]}.",
+            )
+        self.backend = DynamoBackend(name.upper())
+        if self.mode is None:
+            self.mode = "default"
+        if self.fullgraph is None:
+            self.fullgraph = False
+        if self.use_regional_compilation is None:
+            self.use_regional_compilation = False
+        if self.use_regional_compilation:
+            raise ConfigurationError(
+                "TorchDynamoPlugin(use_regional_compilation=True): mpaccel compiles whole models",
+                "drop use_regional_compilation, or call .compile() on your repeated blocks "
+                "yourself before prepare().",
+            )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """torch.compile's keyword arguments: those changed from the defaults, the backend by
+        torch's name ("inductor")."""
+        kwargs = super().to_kwargs()
+        kwargs.pop("use_regional_compilation", None)
+        if "backend" in kwargs:
+            kwargs["backend"] = self.backend.value.lower()
+        return kwargs
