@@ -43,14 +43,14 @@ from .utils.dataclasses import (
 from .utils.memory import release_memory
 
 
-def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, KwargsHandler]:
+def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, Any]:
     known = (
         InitProcessGroupKwargs,
         DistributedDataParallelKwargs,
         GradScalerKwargs,
         AutocastKwargs,
     )
-    found: dict[type, KwargsHandler] = {}
+    found: dict[type, Any] = {}
     for handler in handlers or ():
         kind = type(handler)
         if kind not in known:
@@ -80,6 +80,7 @@ class Accelerator:
         dataloader_config: DataLoaderConfiguration | None = None,
         deepspeed_plugin: Any = None,
         fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
         megatron_lm_plugin: Any = None,
         rng_types: list[str] | None = None,
         log_with: Any = None,
@@ -90,6 +91,9 @@ class Accelerator:
         kwargs_handlers: list[KwargsHandler] | None = None,
         dynamo_backend: DynamoBackend | str | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
+        deepspeed_plugins: Any = None,
+        parallelism_config: Any = None,
+        *,
         even_batches: bool | None = None,
     ) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
@@ -129,9 +133,11 @@ class Accelerator:
             mixed_precision=mixed_precision,
             cpu=cpu,
             dynamo_plugin=dynamo_plugin,
-            deepspeed_plugin=deepspeed_plugin,
+            deepspeed_plugin=deepspeed_plugin if deepspeed_plugins is None else deepspeed_plugins,
             fsdp_plugin=fsdp_plugin,
+            torch_tp_plugin=torch_tp_plugin,
             megatron_lm_plugin=megatron_lm_plugin,
+            parallelism_config=parallelism_config,
             _from_accelerator=True,
             **pg.to_kwargs(),
         )
@@ -145,14 +151,17 @@ class Accelerator:
         self.trackers: list[tracking.GeneralTracker] = []
         self._trigger = 0
         self.step = 0  # micro-batches since the last optimizer step (gradient accumulation)
+        self.init_handler = handlers.get(InitProcessGroupKwargs)
         self.ddp_handler = handlers.get(DistributedDataParallelKwargs)
         self.autocast_handler = handlers.get(AutocastKwargs)
-        scaler_handler = handlers.get(GradScalerKwargs)
+        self.scaler_handler = handlers.get(GradScalerKwargs)
         self.scaler = make_grad_scaler(
             self.state.mixed_precision,
             self.device,
-            scaler_handler.to_kwargs() if scaler_handler is not None else None,
+            self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None,
         )
+        # Prepared models run under autocast for both (Accelerate: not fp16 on CPU).
+        self.native_amp = self.state.mixed_precision in ("fp16", "bf16")
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -251,6 +260,45 @@ class Accelerator:
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: int) -> None:
         self.gradient_state.plugin_kwargs.update({"num_steps": value})
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def multi_device(self) -> bool:
+        """Several processes on accelerators (GPUs), as Accelerate: False on CPU."""
+        return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.state.is_fsdp2
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return None
+
+    @property
+    def parallelism_config(self) -> Any:
+        return self.state.parallelism_config
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        return self.state.device_mesh
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return False
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process writes the model where only some do: each node's local main
+        process, as Accelerate's without a ParallelismConfig."""
+        return self.is_local_main_process
 
     # -- process control (delegated) ------------------------------------------------------------
 

@@ -104,6 +104,19 @@ def _limit_threads(found: Discovery) -> None:
 _PROCESS_GROUP_KEYS = {"backend", "init_method", "timeout"}
 
 
+def _missing(cls_name: str, name: str, known: frozenset[str]) -> AttributeError:
+    """The AttributeError for `name`, which the shared state of `cls_name` lacks: for what the
+    state holds once set up, the likely cause (a reset) and its cure."""
+    if name in known:
+        return AttributeError(
+            f"`{cls_name}` object has no attribute `{name}`. This happens if "
+            f"`{cls_name}._reset_state()` was called and an `Accelerator` or `PartialState` was "
+            f"not reinitialized.\nHINT: create the Accelerator (or PartialState) again after "
+            f"resetting the state, and use the objects it prepares."
+        )
+    return AttributeError(f"'{cls_name}' object has no attribute '{name}'")
+
+
 class PartialState:
     """Where this process sits in the job, and process control (barriers, ordering, decorators).
 
@@ -184,6 +197,10 @@ class PartialState:
         )
         # After init_process_group: torch wraps sys.excepthook there and buffers its output.
         _install_abort_hook(info, self.comm)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the instance and the class lack: after _reset_state().
+        raise _missing("PartialState", name, _PARTIAL_ATTRIBUTES)
 
     def _check_same(self, cpu: bool) -> None:
         if cpu and self.device.type != "cpu":
@@ -399,6 +416,9 @@ class PartialState:
             self._shared_state["backend"] = None
 
 
+_PARTIAL_ATTRIBUTES = frozenset(PartialState.__annotations__)
+
+
 def _required_index(value: int | None, method: str, name: str) -> int:
     if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigurationError(
@@ -409,12 +429,22 @@ def _required_index(value: int | None, method: str, name: str) -> int:
 
 
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+_ENGINES = {
+    "deepspeed_plugin": "DeepSpeed",
+    "fsdp_plugin": "FSDP (yet)",
+    "torch_tp_plugin": "tensor parallelism",
+    "megatron_lm_plugin": "Megatron-LM",
+    "parallelism_config": "composable parallelism (ParallelismConfig)",
+}
 
 
 class AcceleratorState:
     """PartialState plus the training configuration (mixed precision, plugins). Shared state.
 
     Process facts and process control are PartialState's, reached through this object.
+    `dynamo_plugin` is the TorchDynamoPlugin prepared models are compiled with; the plugins of
+    engines mpaccel does not drive (DeepSpeed, FSDP, Megatron-LM, tensor parallelism,
+    ParallelismConfig) must be None: anything else is a ConfigurationError.
     """
 
     _shared_state: dict[str, Any] = {}
@@ -426,7 +456,9 @@ class AcceleratorState:
         dynamo_plugin: Any = None,
         deepspeed_plugin: Any = None,
         fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
         megatron_lm_plugin: Any = None,
+        parallelism_config: Any = None,
         _from_accelerator: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -434,16 +466,19 @@ class AcceleratorState:
         for name, plugin in (
             ("deepspeed_plugin", deepspeed_plugin),
             ("fsdp_plugin", fsdp_plugin),
+            ("torch_tp_plugin", torch_tp_plugin),
             ("megatron_lm_plugin", megatron_lm_plugin),
+            ("parallelism_config", parallelism_config),
         ):
             if plugin is not None:
                 raise ConfigurationError(
-                    f"mpaccel does not drive {name.split('_plugin')[0]}; got {name}={plugin!r}",
-                    "mpaccel trains with DistributedDataParallel; drop the plugin.",
+                    f"mpaccel does not drive {_ENGINES[name]}; got {name}={plugin!r}",
+                    "mpaccel trains with DistributedDataParallel (every rank holds the whole "
+                    f"model): drop {name}= and prepare() the model as it is.",
                 )
         requested = mixed_precision or _env.get("mixed_precision")
         if requested is not None:
-            requested = str(requested).lower()
+            requested = str(getattr(requested, "value", requested)).lower()
             if requested not in _MIXED_PRECISION:
                 raise ConfigurationError(
                     f"mixed_precision={mixed_precision!r} is not one of {_MIXED_PRECISION}"
@@ -471,14 +506,28 @@ class AcceleratorState:
         self.dynamo_plugin = dynamo_plugin if dynamo_plugin is not None else TorchDynamoPlugin()
         self.deepspeed_plugins: dict[str, Any] = {}
         self.fsdp_plugin = None
+        self.torch_tp_plugin = None
         self.megatron_lm_plugin = None
+        self.parallelism_config = None
+        self.device_mesh = None  # no composable parallelism: no mesh
         self._from_accelerator = _from_accelerator
 
     def __getattr__(self, name: str) -> Any:
-        # Only reached for names this class lacks: the process facts and process control.
-        if name.startswith("__") or name == "_partial" or "_partial" not in self.__dict__:
+        # Only reached for names this class lacks: the process facts and process control
+        # (PartialState's), or anything once the state was reset.
+        if name.startswith("__"):
             raise AttributeError(name)
-        return getattr(self._partial, name)
+        partial = self.__dict__.get("_partial")
+        if partial is None:
+            raise _missing("AcceleratorState", name, _ACCELERATOR_ATTRIBUTES)
+        if name in _PARTIAL_ATTRIBUTES or hasattr(PartialState, name):
+            return getattr(partial, name)
+        raise _missing("AcceleratorState", name, _ACCELERATOR_ATTRIBUTES)
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Always False: mpaccel does not shard models (yet)."""
+        return False
 
     # The process-control methods the documents list on AcceleratorState itself are defined
     # here, so that the class has them (help, inspect.signature, hasattr on the class); the rest
@@ -534,6 +583,27 @@ class AcceleratorState:
         AcceleratorState._shared_state.clear()
         if reset_partial_state:
             PartialState._reset_state()
+
+
+# What a set-up AcceleratorState holds: named in the error after a reset (with PartialState's).
+_ACCELERATOR_ATTRIBUTES = _PARTIAL_ATTRIBUTES | {
+    "_partial",
+    "_mixed_precision",
+    "_from_accelerator",
+    "dynamo_plugin",
+    "deepspeed_plugins",
+    "fsdp_plugin",
+    "torch_tp_plugin",
+    "megatron_lm_plugin",
+    "parallelism_config",
+    "device_mesh",
+    "num_processes",
+    "process_index",
+    "local_process_index",
+    "is_main_process",
+    "is_local_main_process",
+    "use_distributed",
+}
 
 
 class GradientState:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpaccel import Accelerator, PartialState
+from mpaccel import Accelerator, AcceleratorState, PartialState
 from mpaccel.errors import CollectiveError, ConfigurationError
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedType, LoggerType
@@ -237,3 +237,61 @@ def test_extract_model_from_parallel_and_wait_for_everyone(comm):
     model = acc.prepare(inner)
     assert extract_model_from_parallel(model) is inner
     wait_for_everyone()
+
+
+def test_state_attributes_accelerate_scripts_read(comm):
+    reset_state()
+    acc = Accelerator(dynamo_plugin=None, parallelism_config=None, torch_tp_plugin=None)
+    state = acc.state
+    assert state.is_fsdp2 is False and acc.is_fsdp2 is False
+    assert state.device_mesh is None and acc.torch_device_mesh is None
+    assert state.fsdp_plugin is None and state.torch_tp_plugin is None
+    assert state.parallelism_config is None and state.megatron_lm_plugin is None
+    assert state.dynamo_plugin.backend == "NO"
+    assert state.is_main_process == (comm.rank == 0) and state.use_distributed == (comm.size > 1)
+    assert acc.native_amp is False and acc.use_seedable_sampler is False
+    assert acc.non_blocking is False and acc.should_save_model == acc.is_local_main_process
+    with pytest.raises(AttributeError, match="'AcceleratorState' object has no attribute 'nope'"):
+        state.nope  # noqa: B018  (it named PartialState)
+
+
+def test_after_a_reset_the_error_explains_it(comm):
+    """Accelerate's test_reinstantiated_state: prepare() after AcceleratorState._reset_state()."""
+    reset_state()
+    accelerator = Accelerator()
+    AcceleratorState._reset_state()
+    with pytest.raises(AttributeError) as info:
+        accelerator.prepare(torch.nn.Linear(1, 1))
+    assert "`AcceleratorState` object has no attribute" in str(info.value.args[0])
+    assert "This happens if `AcceleratorState._reset_state()`" in str(info.value.args[0])
+    state = PartialState()
+    PartialState._reset_state()
+    with pytest.raises(AttributeError, match=r"`PartialState\._reset_state"):
+        state.device  # noqa: B018
+
+
+def test_plugins_of_other_engines_are_refused_with_a_hint(comm):
+    from mpaccel.utils import (
+        DeepSpeedPlugin,
+        FullyShardedDataParallelPlugin,
+        ParallelismConfig,
+        TorchDynamoPlugin,
+    )
+
+    for name in ("fsdp_plugin", "torch_tp_plugin", "parallelism_config", "deepspeed_plugin",
+                 "deepspeed_plugins", "megatron_lm_plugin"):
+        reset_state()
+        with pytest.raises(ConfigurationError, match="HINT: mpaccel trains with Distributed"):
+            Accelerator(**{name: object()})
+    for cls in (DeepSpeedPlugin, FullyShardedDataParallelPlugin, ParallelismConfig):
+        with pytest.raises(ConfigurationError, match="HINT"):
+            cls()
+    reset_state()
+    with pytest.raises(ConfigurationError, match="not both"):
+        Accelerator(dynamo_backend="eager", dynamo_plugin=TorchDynamoPlugin())
+    with pytest.raises(ConfigurationError, match="not a dynamo backend"):
+        TorchDynamoPlugin(backend="warp-drive")
+    with pytest.raises(ConfigurationError, match="HINT"):
+        TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
+    plugin = TorchDynamoPlugin(backend="inductor", mode="max-autotune")
+    assert plugin.to_kwargs() == {"backend": "inductor", "mode": "max-autotune"}

@@ -355,3 +355,48 @@ class TorchDynamoPlugin(KwargsHandler):
         if "backend" in kwargs:
             kwargs["backend"] = self.backend.value.lower()
         return kwargs
+
+
+class _Refused:
+    """Accelerate's configuration classes for engines mpaccel does not drive: importable, so
+    scripts that name them import; building one is a ConfigurationError with what to do."""
+
+    _engine = ""
+    _hint = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigurationError(
+            f"mpaccel does not drive {self._engine}: {type(self).__name__}(...) cannot be used",
+            self._hint,
+        )
+
+
+_DDP_INSTEAD = (
+    "mpaccel trains with DistributedDataParallel (every rank holds the whole model): drop the "
+    "plugin and prepare() the model as it is."
+)
+
+
+class DeepSpeedPlugin(_Refused):
+    _engine = "DeepSpeed"
+    _hint = _DDP_INSTEAD
+
+
+class FullyShardedDataParallelPlugin(_Refused):
+    _engine = "FSDP (yet)"
+    _hint = _DDP_INSTEAD
+
+
+class MegatronLMPlugin(_Refused):
+    _engine = "Megatron-LM"
+    _hint = _DDP_INSTEAD
+
+
+class TorchTensorParallelPlugin(_Refused):
+    _engine = "tensor parallelism"
+    _hint = _DDP_INSTEAD
+
+
+class ParallelismConfig(_Refused):
+    _engine = "composable parallelism (tensor, context, sharded data parallel)"
+    _hint = _DDP_INSTEAD
