@@ -171,6 +171,19 @@ class Accelerator:
         self._async_saver = checkpoint.AsyncSaver()
         self._preemption: slurm_support.Preemption | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The state objects pickle as this process's shared state (state.py). What belongs to
+        # the running process stays with the original: a background save (its thread and
+        # communicator) and the preemption signal handlers.
+        state = dict(self.__dict__)
+        state["_async_saver"] = None
+        state["_preemption"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._async_saver = checkpoint.AsyncSaver()
+
     # -- facts (delegated to the state) --------------------------------------------------------
 
     @property

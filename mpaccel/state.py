@@ -104,6 +104,14 @@ def _limit_threads(found: Discovery) -> None:
 _PROCESS_GROUP_KEYS = {"backend", "init_method", "timeout"}
 
 
+def _shared_instance(cls: Any) -> Any:
+    """Unpickling a state object: an instance sharing this process's state, as a new
+    `cls()` would, without setting anything up (see __reduce__)."""
+    instance = cls.__new__(cls)
+    instance.__dict__ = cls._shared_state
+    return instance
+
+
 def _missing(cls_name: str, name: str, known: frozenset[str]) -> AttributeError:
     """The AttributeError for `name`, which the shared state of `cls_name` lacks: for what the
     state holds once set up, the likely cause (a reset) and its cure."""
@@ -201,6 +209,11 @@ class PartialState:
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the instance and the class lack: after _reset_state().
         raise _missing("PartialState", name, _PARTIAL_ATTRIBUTES)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The state is the process's (MPI handles, the process group): a pickled PartialState
+        # unpickles as this process's shared state, not as a copy of another's.
+        return (_shared_instance, (PartialState,))
 
     def _check_same(self, cpu: bool) -> None:
         if cpu and self.device.type != "cpu":
@@ -524,6 +537,10 @@ class AcceleratorState:
             return getattr(partial, name)
         raise _missing("AcceleratorState", name, _ACCELERATOR_ATTRIBUTES)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # As PartialState's: the unpickled object is this process's shared state.
+        return (_shared_instance, (AcceleratorState,))
+
     @property
     def is_fsdp2(self) -> bool:
         """Always False: mpaccel does not shard models (yet)."""
@@ -626,6 +643,10 @@ class GradientState:
                 "sync_with_dataloader": gradient_accumulation_plugin.sync_with_dataloader,
                 "sync_each_batch": gradient_accumulation_plugin.sync_each_batch,
             }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # As PartialState's: the unpickled object is this process's shared state.
+        return (_shared_instance, (GradientState,))
 
     @property
     def initialized(self) -> bool:

@@ -13,6 +13,7 @@ from collections import namedtuple
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from mpaccel import Accelerator, AcceleratorState, PartialState
 from mpaccel.errors import CollectiveError, ConfigurationError
@@ -268,6 +269,24 @@ def test_after_a_reset_the_error_explains_it(comm):
     PartialState._reset_state()
     with pytest.raises(AttributeError, match=r"`PartialState\._reset_state"):
         state.device  # noqa: B018
+
+
+def test_pickling_the_accelerator(comm):
+    """Accelerate's test_pickle_accelerator, and the copy is usable in this process."""
+    reset_state()
+    accelerator = Accelerator()
+    loader = accelerator.prepare(DataLoader(list(range(32)), batch_size=4))
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    unpickled = pickle.loads(pickle.dumps(accelerator))
+    assert accelerator.state.__dict__ == unpickled.state.__dict__
+    assert unpickled.state.__dict__ is accelerator.state.__dict__  # the process's state
+    assert pickle.loads(pickle.dumps(accelerator.gradient_state)) is not None
+    gathered = unpickled.gather(torch.tensor([comm.rank]))
+    assert gathered.tolist() == list(range(comm.size))
+    unpickled.wait_for_everyone()
+    assert len(unpickled._dataloaders) == 1 and len(list(loader)) == len(list(
+        unpickled._dataloaders[0]))
+    assert model is not None
 
 
 def test_plugins_of_other_engines_are_refused_with_a_hint(comm):
