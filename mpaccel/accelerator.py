@@ -485,6 +485,8 @@ class Accelerator:
         if self.num_processes > 1 and trainable and not evaluation_mode:
             options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
             model = distributed.wrap_ddp(model, self.device, **options)
+            if self.ddp_handler is not None:
+                self.ddp_handler.register_comm_hook(model)
             self._models[-1] = model
         plugin = self.state.dynamo_plugin
         if plugin.backend != DynamoBackend.NO:

@@ -953,3 +953,76 @@ def test_inductor_backend(comm):
     assert is_compiled_module(model)
     x = torch.randn(4, 8)
     assert torch.allclose(model(x), acc.unwrap_model(model, keep_torch_compile=False)(x))
+
+
+# -- DDP communication hooks ---------------------------------------------------------------------
+
+
+class _PerRank(torch.nn.Module):
+    """Accelerate's test_ddp_comm_hook model: gradients that differ from rank to rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.p = torch.nn.Parameter(torch.randn(40, 20))
+
+    def forward(self, x, rank):
+        return self.p * (x ** (1 + rank))
+
+
+def _hook_grads(model, rank):
+    torch.manual_seed(2024)
+    model(torch.randn(40, 20), rank).mean().backward()
+    return next(model.parameters()).grad
+
+
+@pytest.mark.parametrize(
+    "hook, wrapper, option",
+    [
+        ("no", "no", {}),
+        ("fp16", "no", {}),
+        ("power_sgd", "no", {}),
+        ("power_sgd", "fp16", {}),
+        ("power_sgd", "no", {"matrix_approximation_rank": 2}),
+        ("batched_power_sgd", "no", {}),
+        ("batched_power_sgd", "fp16", {}),
+    ],
+)
+def test_ddp_comm_hooks_are_registered_and_reduce(comm, hook, wrapper, option):
+    """DistributedDataParallelKwargs(comm_hook=...) is registered on the DDP model: the
+    gradients are the all-reduced ones, within the compression's error (Accelerate's test)."""
+    from mpaccel.utils import DDPCommunicationHookType
+
+    kwargs = DistributedDataParallelKwargs(
+        comm_hook=DDPCommunicationHookType(hook), comm_wrapper=wrapper, comm_state_option=option
+    )
+    assert "comm_hook" not in kwargs.to_kwargs()  # not a DistributedDataParallel argument
+    acc = _fresh(kwargs_handlers=[kwargs])
+    model = acc.prepare(_PerRank())
+    if comm.size > 1:  # DDP names the hook it runs
+        named = model._get_ddp_logging_data().get("comm_hook")
+        assert (named is not None) == (hook != "no"), named
+        if named is not None and wrapper == "no":
+            assert hook.replace("_", "").lower() in named.replace("_", "").lower(), named
+    grads = _hook_grads(model, acc.local_process_index)
+    expected = sum(_hook_grads(_PerRank(), rank) for rank in range(comm.size)) / comm.size
+    torch.testing.assert_close(grads, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_comm_hooks_on_cpu_are_a_clear_error(comm):
+    from mpaccel.utils import DDPCommunicationHookType
+
+    for kwargs in (
+        {"comm_hook": DDPCommunicationHookType.BF16},
+        {"comm_hook": "power_sgd", "comm_wrapper": "bf16"},
+    ):
+        acc = _fresh(kwargs_handlers=[DistributedDataParallelKwargs(**kwargs)])
+        if comm.size == 1:  # no DDP: nothing registered, as in Accelerate
+            acc.prepare(_PerRank())
+            continue
+        with pytest.raises(ConfigurationError, match="HINT: bfloat16 compression needs NCCL"):
+            acc.prepare(_PerRank())
+    with pytest.raises(ConfigurationError, match="not a wrapper"):
+        DistributedDataParallelKwargs(comm_wrapper="power_sgd")
+    with pytest.raises(ConfigurationError, match="not a communication hook"):
+        DistributedDataParallelKwargs(comm_hook="fp8")

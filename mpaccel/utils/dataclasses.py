@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -211,7 +211,12 @@ class DistributedDataParallelKwargs(KwargsHandler):
     than one process (torch's own meanings). find_unused_parameters=True is needed by models
     whose forward skips some parameters; it also keeps DDP from rebuilding its gradient
     buckets after the first step, which makes a resumed run reduce gradients exactly as an
-    uninterrupted one (see the checkpoint docs)."""
+    uninterrupted one (see the checkpoint docs).
+
+    comm_hook / comm_wrapper / comm_state_option: a DDP communication hook registered on the
+    prepared model (DDPCommunicationHookType or its value; comm_wrapper compresses another
+    hook's all-reduce, FP16 or BF16 only; comm_state_option: PowerSGDState's arguments). On
+    CPU (gloo) torch refuses the BF16 ones: see docs/training.md."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -220,12 +225,55 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
             raise ConfigurationError(
                 f"DistributedDataParallelKwargs(bucket_cap_mb={self.bucket_cap_mb!r}) must be > 0"
             )
+        self.comm_hook = _hook_type(self.comm_hook, "comm_hook")
+        self.comm_wrapper = _hook_type(self.comm_wrapper, "comm_wrapper")
+        wrappers = (DDPCommunicationHookType.NO, DDPCommunicationHookType.FP16,
+                    DDPCommunicationHookType.BF16)
+        if self.comm_wrapper not in wrappers:
+            raise ConfigurationError(
+                f"DistributedDataParallelKwargs(comm_wrapper={self.comm_wrapper!r}) is not a "
+                f"wrapper",
+                "comm_wrapper compresses another hook: 'no', 'fp16' or 'bf16'; put PowerSGD "
+                "in comm_hook.",
+            )
+        if not isinstance(self.comm_state_option, dict):
+            raise ConfigurationError(
+                f"DistributedDataParallelKwargs(comm_state_option={self.comm_state_option!r}) "
+                "must be a dict",
+                "for example comm_state_option={'matrix_approximation_rank': 2}.",
+            )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """DistributedDataParallel's own arguments (the hook fields are registered apart)."""
+        hooks = ("comm_hook", "comm_wrapper", "comm_state_option")
+        return {k: v for k, v in super().to_kwargs().items() if k not in hooks}
+
+    def register_comm_hook(self, model: Any) -> None:
+        """Register the configured hook on `model` (a DistributedDataParallel); nothing when
+        comm_hook is NO, as in Accelerate."""
+        from ..distributed import register_comm_hook
+
+        register_comm_hook(model, self.comm_hook.value, self.comm_wrapper.value,
+                           self.comm_state_option)
+
+
+def _hook_type(value: Any, name: str) -> DDPCommunicationHookType:
+    try:
+        return DDPCommunicationHookType(getattr(value, "value", value))
+    except ValueError:
+        raise ConfigurationError(
+            f"DistributedDataParallelKwargs({name}={value!r}) is not a communication hook",
+            f"use one of {DDPCommunicationHookType.list()} (or DDPCommunicationHookType.*).",
+        ) from None
 
 
 @dataclass
