@@ -4,6 +4,7 @@ switches on the kind of distributed set-up."""
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ from .utils.dataclasses import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    ProfileKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
@@ -49,6 +51,7 @@ def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, An
         DistributedDataParallelKwargs,
         GradScalerKwargs,
         AutocastKwargs,
+        ProfileKwargs,
     )
     found: dict[type, Any] = {}
     for handler in handlers or ():
@@ -154,6 +157,7 @@ class Accelerator:
         self.init_handler = handlers.get(InitProcessGroupKwargs)
         self.ddp_handler = handlers.get(DistributedDataParallelKwargs)
         self.autocast_handler = handlers.get(AutocastKwargs)
+        self.profile_handler = handlers.get(ProfileKwargs)
         self.scaler_handler = handlers.get(GradScalerKwargs)
         self.scaler = make_grad_scaler(
             self.state.mixed_precision,
@@ -689,6 +693,23 @@ class Accelerator:
     def _autocast_options(self, handler: KwargsHandler | None = None) -> dict[str, Any]:
         chosen = handler or self.autocast_handler
         return chosen.to_kwargs() if chosen is not None else {}
+
+    @contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[Any]:
+        """Not collective. torch.profiler around the block, configured by `profile_handler`, else
+        the ProfileKwargs of kwargs_handlers, else torch's defaults; yields the profiler (call
+        its step() per iteration when a schedule is set). Each rank profiles itself; with
+        output_trace_dir, each writes its Chrome trace there as profile_<rank>.json."""
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is None:
+            return
+        os.makedirs(handler.output_trace_dir, exist_ok=True)
+        profiler.export_chrome_trace(
+            os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json")
+        )
+
 
     @property
     def optimizer_step_was_skipped(self) -> bool:

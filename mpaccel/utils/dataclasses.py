@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -357,6 +358,58 @@ class ProjectConfiguration(KwargsHandler):
         self.project_dir = project_dir
         if self.logging_dir is None:
             self.logging_dir = project_dir
+
+
+@dataclass
+class ProfileKwargs(KwargsHandler):
+    """torch.profiler settings for `accelerator.profile()` (torch's meanings). activities:
+    names ("cpu", "cuda", ...; None: torch's default); schedule_option: torch.profiler.schedule's
+    arguments (wait, warmup, active, repeat, skip_first); on_trace_ready: called with the
+    profiler when a cycle's trace is ready, on every rank. output_trace_dir: each rank writes
+    its Chrome trace there as profile_<rank>.json when the block ends."""
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Callable | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def _activity(self, name: str) -> Any:
+        import torch
+
+        kinds = {k.name.lower(): k for k in torch.profiler.ProfilerActivity.__members__.values()}
+        kinds.pop("privateuse1", None)
+        if name not in kinds:
+            raise ConfigurationError(
+                f"ProfileKwargs(activities=[{name!r}, ...]): not a profiler activity",
+                f"use names among {sorted(kinds)}.",
+            )
+        return kinds[name]
+
+    def build(self) -> Any:
+        """The torch.profiler.profile these settings describe (not started)."""
+        import torch
+
+        activities = None
+        if self.activities is not None:
+            activities = [self._activity(name) for name in self.activities]
+        schedule = None
+        if self.schedule_option is not None:
+            schedule = torch.profiler.schedule(**self.schedule_option)
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=self.on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            with_flops=self.with_flops,
+            with_modules=self.with_modules,
+        )
 
 
 @dataclass
