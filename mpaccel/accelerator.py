@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, ops, tracking, training
 from . import slurm as slurm_support
@@ -174,6 +176,8 @@ class Accelerator:
         self._custom_objects: list[Any] = []
         self._async_saver = checkpoint.AsyncSaver()
         self._preemption: slurm_support.Preemption | None = None
+        self._save_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
+        self._load_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
         # The state objects pickle as this process's shared state (state.py). What belongs to
@@ -813,16 +817,97 @@ class Accelerator:
             )
         self._custom_objects.extend(objects)
 
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call `hook(models, weights, output_dir)` in save_state() before anything is written,
+        on every rank, in the order registered: `models` are the prepared models, `weights`
+        their state_dicts (as prepared: with DDP's `module.` prefix), `output_dir` the
+        checkpoint's directory (created). A hook that saves a model its own way removes its
+        entry from `weights` (`weights.pop()`): that model is then left out of the checkpoint
+        (its hook must load it: register_load_state_pre_hook). Returns a handle whose
+        remove() unregisters the hook."""
+        handle = RemovableHandle(self._save_model_state_pre_hook)
+        self._save_model_state_pre_hook[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call `hook(models, input_dir)` in load_state() before anything is read, on every
+        rank, in the order registered: a hook that loads a model its own way removes it from
+        `models`, which load_state() then leaves alone. Returns a removable handle."""
+        handle = RemovableHandle(self._load_model_state_pre_hook)
+        self._load_model_state_pre_hook[handle.id] = hook
+        return handle
+
+    def _run_pre_hooks(
+        self, hooks: Iterable[Callable], arguments: tuple, listed: list, what: str
+    ) -> list[torch.nn.Module]:
+        """Collective. Call the `hooks` with `arguments` (of which `listed` is the list the
+        hooks may shorten, one entry per prepared model); returns the models whose entries
+        remain, the same on every rank (a hook failing on any rank fails every rank)."""
+        entries = list(listed)
+        error: BaseException | None = None
+        try:
+            for hook in hooks:
+                hook(*arguments)
+        except Exception as exc:
+            error = exc
+        comm = self._partial.comm
+        comm.agree(error, what)
+        kept = [i for i, entry in enumerate(entries) if any(entry is e for e in listed)]
+        everyone = comm.allgather(kept, what)
+        if any(k != kept for k in everyone):
+            raise ConfigurationError(
+                f"{what}: the hooks removed different models on different ranks "
+                f"({dict(enumerate(everyone))}: indices of the models kept)",
+                "the hooks must remove the same entries on every rank.",
+            )
+        return [self._models[i] for i in kept]
+
+    @contextmanager
+    def _only_models(self, models: list[torch.nn.Module]) -> Iterator[None]:
+        """The checkpoint saves or loads `models` alone (what the pre-hooks left it)."""
+        every = self._models
+        self._models = models
+        try:
+            yield
+        finally:
+            self._models = every
+
+
     def save_state(
-        self, output_dir: str | None = None, async_save: bool = False, **kwargs: Any
+        self,
+        output_dir: str | None = None,
+        safe_serialization: bool = True,
+        *,
+        async_save: bool = False,
+        **save_model_func_kwargs: Any,
     ) -> str:
         """Collective. Models, optimizers, schedulers, grad scaler, registered objects, and each
         rank's RNG states and dataloader positions, as an HDF5 checkpoint committed atomically.
         With ProjectConfiguration(automatic_checkpoint_naming=True) the directory is
         project_dir/checkpoints/checkpoint_<n> and old ones are rotated (total_limit).
-        async_save=True snapshots to host memory and writes in the background; see
-        wait_for_checkpoint(). Returns the directory."""
-        return checkpoint.save_state(self, output_dir, async_save)
+        async_save=True (keyword only) snapshots to host memory and writes in the background;
+        see wait_for_checkpoint(). Returns the directory. HDF5 holds no pickles, so
+        `safe_serialization` (Accelerate's choice of safetensors over pickle) is always
+        honoured; `save_model_func_kwargs` (Accelerate passes them to DeepSpeed) are ignored.
+        Hooks of register_save_state_pre_hook run first."""
+        del safe_serialization, save_model_func_kwargs
+        models = self._models
+        if self._save_model_state_pre_hook:
+            directory = ""
+            try:  # an error here is the checkpoint's to report, collectively, below
+                directory = checkpoint._resolve_output(self, output_dir)
+                os.makedirs(directory, exist_ok=True)
+            except Exception:
+                pass
+            weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
+            models = self._run_pre_hooks(
+                list(self._save_model_state_pre_hook.values()),
+                (self._models, weights, directory),
+                weights,
+                "save_state (pre-hooks)",
+            )
+        with self._only_models(models):
+            return checkpoint.save_state(self, output_dir, async_save)
 
     def load_state(
         self,
@@ -836,9 +921,24 @@ class Accelerator:
 
         `load_model_func_kwargs` go to the models' load_state_dict (`strict=False`: keys may
         be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
-        accepted and has nothing to act on: nothing is unpickled here."""
+        accepted and has nothing to act on: nothing is unpickled here. Hooks of
+        register_load_state_pre_hook run first."""
         del load_kwargs
-        return checkpoint.load_state(self, input_dir, load_model_func_kwargs)
+        models = self._models
+        if self._load_model_state_pre_hook:
+            directory = input_dir
+            if directory is None and self.project_dir is not None:
+                latest = checkpoint.latest_checkpoint(self.project_dir)
+                directory = latest[1] if latest is not None else None
+            listed = list(self._models)
+            models = self._run_pre_hooks(
+                list(self._load_model_state_pre_hook.values()),
+                (listed, directory),
+                listed,
+                "load_state (pre-hooks)",
+            )
+        with self._only_models(models):
+            return checkpoint.load_state(self, input_dir, load_model_func_kwargs)
 
     def wait_for_checkpoint(self) -> None:
         """Collective in effect: block until an async save is committed (re-raises its error)."""

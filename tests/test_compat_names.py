@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import inspect
 import pickle
 import weakref
 from collections import namedtuple
@@ -314,3 +315,100 @@ def test_plugins_of_other_engines_are_refused_with_a_hint(comm):
         TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
     plugin = TorchDynamoPlugin(backend="inductor", mode="max-autotune")
     assert plugin.to_kwargs() == {"backend": "inductor", "mode": "max-autotune"}
+
+
+def _two_models(acc):
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(2, 2)
+    return acc.prepare(a, b)
+
+
+def _fill(model, value):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+def test_save_and_load_state_pre_hooks(comm, mpi_tmp_path):
+    """diffusers' pattern: the hooks save and load the second model themselves (weights.pop()
+    / models.pop()); the checkpoint holds the first only."""
+    reset_state()
+    acc = Accelerator()
+    model_a, model_b = _two_models(acc)
+    calls = []
+
+    def save_hook(models, weights, output_dir):
+        calls.append(("save", len(models), len(weights), output_dir))
+        assert len(models) == 2 and all(isinstance(w, dict) for w in weights)
+        import os
+
+        assert os.path.isdir(output_dir)
+        weights.pop()  # model_b: saved here, not in the checkpoint
+        if acc.is_main_process:
+            torch.save(acc.unwrap_model(models[1]).state_dict(), f"{output_dir}/b.pt")
+
+    def second_hook(models, weights, output_dir):
+        calls.append(("second", len(weights)))
+
+    def load_hook(models, input_dir):
+        calls.append(("load", len(models), input_dir))
+        b = models.pop()
+        acc.unwrap_model(b).load_state_dict(torch.load(f"{input_dir}/b.pt"))
+
+    handles = [acc.register_save_state_pre_hook(save_hook),
+               acc.register_save_state_pre_hook(second_hook)]
+    acc.register_load_state_pre_hook(load_hook)
+    _fill(model_a, 1.0)
+    _fill(model_b, 2.0)
+    directory = str(mpi_tmp_path / "ckpt")
+    assert acc.save_state(directory) == directory
+    assert calls == [("save", 2, 2, directory), ("second", 1)]  # in order; the pop is seen
+    acc.wait_for_everyone()
+
+    from mpaccel.checkpoint.reader import CheckpointReader
+
+    with CheckpointReader(directory, "state") as reader:
+        assert "model_0" in reader.components() and "model_1" not in reader.components()
+
+    _fill(model_a, 5.0)
+    _fill(model_b, 7.0)
+    acc.load_state(directory)
+    assert calls[-1] == ("load", 2, directory)
+    assert all(torch.all(p == 1.0) for p in model_a.parameters())  # by the checkpoint
+    assert all(torch.all(p == 2.0) for p in model_b.parameters())  # by the hook
+
+    handles[0].remove()
+    handles[1].remove()
+    calls.clear()
+    acc.save_state(str(mpi_tmp_path / "again"))
+    assert calls == []  # removed
+    with pytest.raises(CollectiveError, match=r"b\.pt"):
+        acc.load_state(str(mpi_tmp_path / "again"))  # the load hook finds no b.pt there
+
+
+def test_a_failing_hook_fails_every_rank(comm, mpi_tmp_path):
+    reset_state()
+    acc = Accelerator()
+    _two_models(acc)
+
+    def hook(models, weights, output_dir):
+        if comm.rank == comm.size - 1:
+            raise RuntimeError("hook broke")
+
+    acc.register_save_state_pre_hook(hook)
+    with pytest.raises(CollectiveError, match="hook broke") as info:
+        acc.save_state(str(mpi_tmp_path / "ckpt"))
+    assert info.value.failed_ranks == [comm.size - 1]
+
+
+def test_save_state_second_argument_is_safe_serialization(comm, mpi_tmp_path):
+    """save_state(d, True) is Accelerate's safe_serialization=True: a synchronous save (it
+    started a background save); async_save is keyword-only."""
+    reset_state()
+    acc = Accelerator()
+    _two_models(acc)
+    acc.save_state(str(mpi_tmp_path / "a"), True)
+    assert not acc._async_saver.busy and acc._async_saver._thread is None
+    with pytest.raises(TypeError):
+        acc.save_state(str(mpi_tmp_path / "b"), True, True)  # type: ignore[misc]
+    assert "async_save" in inspect.signature(acc.save_state).parameters
