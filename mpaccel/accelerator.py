@@ -561,8 +561,20 @@ class Accelerator:
         Joinables) of ranks that ran out of batches keep answering the others' all-reduces
         instead of leaving them hanging. `even_batches` overrides the prepared map-style
         loaders' setting inside the block (False: no repeated samples, uneven batches); Join
-        is enabled only when batches are uneven. Does nothing in a world of one."""
-        if self.num_processes == 1:
+        is enabled only when batches are uneven. Does nothing in a world of one, and warns
+        (UserWarning) and does nothing for set-ups other than DDP on CPUs or GPUs."""
+        if self.num_processes == 1 or self.distributed_type not in (
+            DistributedType.MULTI_CPU,
+            DistributedType.MULTI_GPU,
+        ):
+            if self.distributed_type != DistributedType.NO:
+                warnings.warn(
+                    f"joining uneven inputs is only supported for multi-GPU and multi-CPU "
+                    f"DistributedDataParallel training, not {self.distributed_type}: "
+                    f"join_uneven_inputs has no effect",
+                    UserWarning,
+                    stacklevel=3,
+                )
             yield
             return
         from torch.distributed.algorithms import Join
@@ -575,9 +587,9 @@ class Accelerator:
                     loader.sharding.even_batches = even_batches
             if len(changed) < len(self._dataloaders):
                 warnings.warn(
-                    "join_uneven_inputs(even_batches=...) applies to loaders of map-style "
-                    "datasets only; those of iterable datasets keep their setting",
-                    RuntimeWarning,
+                    "overriding even_batches in join_uneven_inputs is only supported for "
+                    "map-style datasets; the loaders of iterable datasets keep their setting",
+                    UserWarning,
                     stacklevel=3,
                 )
         else:
@@ -713,7 +725,6 @@ class Accelerator:
         profiler.export_chrome_trace(
             os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json")
         )
-
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -871,7 +882,6 @@ class Accelerator:
             yield
         finally:
             self._models = every
-
 
     def save_state(
         self,

@@ -8,13 +8,15 @@ import importlib.metadata
 import importlib.util
 import inspect
 import pickle
+import warnings
 import weakref
 from collections import namedtuple
+from unittest.mock import Mock
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from mpaccel import Accelerator, AcceleratorState, PartialState
 from mpaccel.errors import CollectiveError, ConfigurationError
@@ -412,3 +414,40 @@ def test_save_state_second_argument_is_safe_serialization(comm, mpi_tmp_path):
     with pytest.raises(TypeError):
         acc.save_state(str(mpi_tmp_path / "b"), True, True)  # type: ignore[misc]
     assert "async_save" in inspect.signature(acc.save_state).parameters
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+def test_join_warns_for_set_ups_it_cannot_join(comm):
+    """test_join_raises_warning_for_non_ddp_distributed: a UserWarning, nothing joined."""
+    reset_state()
+    accelerator = Accelerator()
+    original = accelerator.state.distributed_type
+    accelerator.state.distributed_type = DistributedType.FSDP
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with accelerator.join_uneven_inputs([Mock()]):
+                pass
+            assert issubclass(w[-1].category, UserWarning)
+            assert "only supported for multi-GPU" in str(w[-1].message)
+    finally:
+        accelerator.state.distributed_type = original
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_warns_when_iterable_loaders_keep_even_batches(comm):
+    """test_join_raises_warning_for_iterable_when_overriding_even_batches."""
+    reset_state()
+    accelerator = Accelerator()
+    model = accelerator.prepare(torch.nn.Linear(1, 1))
+    accelerator.prepare(DataLoader(_Stream(), batch_size=1))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([model], even_batches=False):
+            pass
+        assert issubclass(w[-1].category, UserWarning)
+        assert "only supported for map-style datasets" in str(w[-1].message)
