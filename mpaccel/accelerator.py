@@ -29,6 +29,7 @@ from .training import (
     compile_model,
     make_grad_scaler,
     patch_forward,
+    warn_fp16_on_cpu,
 )
 from .utils.dataclasses import (
     AutocastKwargs,
@@ -166,8 +167,10 @@ class Accelerator:
             self.device,
             self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None,
         )
-        # Prepared models run under autocast for both (Accelerate: not fp16 on CPU).
+        # Prepared models run under autocast for both (Accelerate: not fp16 on CPU; warned).
         self.native_amp = self.state.mixed_precision in ("fp16", "bf16")
+        if self.is_main_process:
+            warn_fp16_on_cpu(self.state.mixed_precision, self.device)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -34,6 +35,25 @@ def make_grad_scaler(
     if mixed_precision != "fp16":
         return None
     return torch.amp.GradScaler(device.type, **(options or {}))
+
+
+_warned_fp16_on_cpu = False
+
+
+def warn_fp16_on_cpu(mixed_precision: str, device: torch.device) -> None:
+    """Once per process: fp16 on CPU really computes in float16 here, where Accelerate quietly
+    stays in float32 (docs/training.md, "Precision and clipping")."""
+    global _warned_fp16_on_cpu
+    if mixed_precision != "fp16" or device.type != "cpu" or _warned_fp16_on_cpu:
+        return
+    _warned_fp16_on_cpu = True
+    warnings.warn(
+        "mixed_precision='fp16' on CPU: mpaccel runs the prepared models under float16 autocast "
+        "with a GradScaler, where Accelerate ignores fp16 on CPU and trains in float32. float16 "
+        "on CPU is slow and loses precision; use mixed_precision='bf16' (or 'no') on CPU",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def is_compiled_module(module: Any) -> bool:

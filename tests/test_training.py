@@ -9,6 +9,7 @@ import contextlib
 import gc
 import importlib.util
 import sys
+import warnings
 
 import pytest
 import torch
@@ -1070,3 +1071,20 @@ def test_profile_schedule_and_on_trace_ready(comm):
             model(torch.randn(2, 8)).sum().backward()
             prof.step()
     assert ready == [3]  # after wait, warmup and the active step
+
+
+# -- fp16 on CPU ---------------------------------------------------------------------------------
+
+
+def test_fp16_on_cpu_warns_once(comm, monkeypatch):
+    from mpaccel import training
+
+    monkeypatch.setattr(training, "_warned_fp16_on_cpu", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fresh(mixed_precision="fp16")
+        _fresh(mixed_precision="fp16")
+        _fresh(mixed_precision="bf16")
+    mine = [w for w in caught if "fp16" in str(w.message) and "float32" in str(w.message)]
+    assert len(mine) == (1 if comm.rank == 0 else 0)  # once, on the main process
+    assert mine == [] or issubclass(mine[0].category, UserWarning)
