@@ -4,6 +4,7 @@ switches on the kind of distributed set-up."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import warnings
 from collections import OrderedDict
@@ -286,6 +287,14 @@ class Accelerator:
         self.gradient_state.plugin_kwargs.update({"num_steps": value})
 
     @property
+    def dispatch_batches(self) -> Any:
+        return getattr(self.dataloader_config, "dispatch_batches", None)
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return bool(getattr(self.dataloader_config, "use_stateful_dataloader", False))
+
+    @property
     def use_seedable_sampler(self) -> bool:
         return self.dataloader_config.use_seedable_sampler
 
@@ -471,7 +480,7 @@ class Accelerator:
         if isinstance(obj, torch.nn.Module):
             return self.prepare_model(obj, device_placement=placement)
         if isinstance(obj, torch.optim.Optimizer):
-            return self.prepare_optimizer(obj)
+            return self.prepare_optimizer(obj, device_placement=placement)
         return self.prepare_data_loader(obj, device_placement=placement)
 
     def prepare_model(
@@ -506,9 +515,16 @@ class Accelerator:
             return compile_model(model, plugin.to_kwargs())
         return model
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> AcceleratedOptimizer:
+        """Not collective. The optimizer, aware of gradient accumulation and fp16 loss scaling;
+        with device placement (the Accelerator's by default) its state tensors (a loaded
+        state_dict's, say) move to the device, as Accelerate's."""
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
+        if device_placement if device_placement is not None else self.device_placement:
+            training.move_optimizer_state(optimizer, self.device)
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
         self._optimizers.append(wrapped)
         return wrapped
@@ -529,12 +545,26 @@ class Accelerator:
         return wrapped
 
     def prepare_data_loader(
-        self, data_loader: DataLoader, device_placement: bool | None = None
+        self,
+        data_loader: DataLoader,
+        device_placement: bool | None = None,
+        slice_fn_for_dispatch: Callable | None = None,
     ) -> DataLoaderShard:
         """Collective the first time (the shuffling seed is agreed over MPI). A loader prepared
-        already is returned as it is."""
+        already is returned as it is. `slice_fn_for_dispatch`: how rank 0 cuts a dispatched
+        batch (Accelerate's), passed on where the loader dispatches batches."""
         if type(data_loader) is DataLoaderShard:  # isinstance would say DataLoader too
             return data_loader
+        extra: dict[str, Any] = {}
+        if slice_fn_for_dispatch is not None:
+            if "slice_fn_for_dispatch" not in inspect.signature(prepare_data_loader).parameters:
+                raise ConfigurationError(
+                    f"prepare_data_loader(slice_fn_for_dispatch={slice_fn_for_dispatch!r}): "
+                    "this mpaccel does not dispatch batches from rank 0, so there is nothing to "
+                    "slice",
+                    "drop slice_fn_for_dispatch: every rank reads its own share of the data.",
+                )
+            extra["slice_fn_for_dispatch"] = slice_fn_for_dispatch
         if self._data_seed is None:
             # Rank 0's seed for everyone: shuffles agree across ranks, and follow torch.manual_seed.
             self._data_seed = self._partial.comm.bcast(
@@ -551,6 +581,7 @@ class Accelerator:
             split_batches=self.split_batches,
             even_batches=self.even_batches,
             non_blocking=self.dataloader_config.non_blocking,
+            **extra,
         )
         self._dataloaders.append(shard)
         return shard
@@ -651,8 +682,9 @@ class Accelerator:
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
             yield
 
+    @staticmethod
     @contextmanager
-    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
+    def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
         """The backward of this block all-reduces the gradients, even inside no_sync() (DDP
         only; a no-op otherwise): for a last micro-batch whose forward ran under no_sync, as in
         Accelerate. Relies on DDP internals, as Accelerate's does."""
@@ -689,7 +721,7 @@ class Accelerator:
                 opt.unscale_gradients()
 
     def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2.0
+        self, parameters: Any, max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
         """Clip the gradients' total norm (after fp16 unscaling); returns the total norm before
         clipping. After DDP's all-reduce the gradients, and so the norm, agree on every rank."""
@@ -1013,6 +1045,11 @@ class Accelerator:
     @property
     def save_iteration(self) -> int:
         return self.project_configuration.iteration
+
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """True if a submodule was dispatched over several devices (`hf_device_map`, from
+        `from_pretrained(device_map=...)`): such a model cannot be trained data-parallel."""
+        return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
 
     def free_memory(self, *objects: Any) -> list[Any]:
         """Drop mpaccel's references to prepared objects and release cached memory; returns

@@ -546,9 +546,37 @@ class AcceleratorState:
         """Always False: mpaccel does not shard models (yet)."""
         return False
 
-    # The process-control methods the documents list on AcceleratorState itself are defined
-    # here, so that the class has them (help, inspect.signature, hasattr on the class); the rest
-    # of PartialState's surface is reached through __getattr__.
+    # The process-control methods and facts Accelerate's AcceleratorState has are defined here,
+    # so that the class has them (help, inspect.signature, hasattr on the class); the rest of
+    # PartialState's surface is reached through __getattr__.
+    def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
+        """Collective; see PartialState.wait_for_everyone."""
+        self._partial.wait_for_everyone(timeout)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """See PartialState.print."""
+        self._partial.print(*args, **kwargs)
+
+    @property
+    def use_distributed(self) -> bool:
+        return self._partial.use_distributed
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._partial.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self._partial.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self._partial.is_last_process
+
+    @property
+    def fork_launched(self) -> bool:
+        return self._partial.fork_launched
+
     def destroy_process_group(self, group: Any = None) -> None:
         """See PartialState.destroy_process_group."""
         self._partial.destroy_process_group(group)

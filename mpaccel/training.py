@@ -63,6 +63,13 @@ def is_compiled_module(module: Any) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
+def compile_model(model: torch.nn.Module, compile_kwargs: dict[str, Any]) -> torch.nn.Module:
+    """torch.compile(model, **compile_kwargs), unless it is compiled already."""
+    if is_compiled_module(model):
+        return model
+    return torch.compile(model, **compile_kwargs)  # type: ignore[return-value]
+
+
 def unwrap_model(
     model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
 ) -> Any:
@@ -91,11 +98,15 @@ def unwrap_model(
     return type(compiled)(model, compiled.dynamo_ctx)
 
 
-def compile_model(model: torch.nn.Module, compile_kwargs: dict[str, Any]) -> torch.nn.Module:
-    """torch.compile(model, **compile_kwargs), unless it is compiled already."""
-    if is_compiled_module(model):
-        return model
-    return torch.compile(model, **compile_kwargs)  # type: ignore[return-value]
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Put the optimizer's state tensors (a loaded state_dict's) on `device`; torch's
+    load_state_dict then keeps them beside their parameters, `step` counters where it wants
+    them. A fresh optimizer has no state: nothing to do."""
+    if not optimizer.state:
+        return
+    from .utils.operations import send_to_device
+
+    optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
 
 
 def patch_forward(

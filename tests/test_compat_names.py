@@ -416,6 +416,89 @@ def test_save_state_second_argument_is_safe_serialization(comm, mpi_tmp_path):
     assert "async_save" in inspect.signature(acc.save_state).parameters
 
 
+# (method, Accelerate 1.15's parameter names in order, with defaults where it has them)
+ACCELERATE_SIGNATURES = [
+    ("unwrap_model", ["model", "keep_fp32_wrapper=True", "keep_torch_compile=True"]),
+    ("prepare_optimizer", ["optimizer", "device_placement=None"]),
+    ("prepare_data_loader", ["data_loader", "device_placement=None",
+                             "slice_fn_for_dispatch=None"]),
+    ("save_state", ["output_dir=None", "safe_serialization=True"]),
+    ("load_state", ["input_dir=None", "load_kwargs=None"]),
+    ("profile", ["profile_handler=None"]),
+    ("register_save_state_pre_hook", ["hook"]),
+    ("register_load_state_pre_hook", ["hook"]),
+    ("prepare_model", ["model", "device_placement=None", "evaluation_mode=False"]),
+    ("join_uneven_inputs", ["joinables", "even_batches=None"]),
+    ("clip_grad_norm_", ["parameters", "max_norm", "norm_type=2"]),
+]
+
+
+def _spelled(parameter):
+    if parameter.default is inspect.Parameter.empty:
+        return parameter.name
+    return f"{parameter.name}={parameter.default!r}"
+
+
+@pytest.mark.parametrize("method, expected", ACCELERATE_SIGNATURES)
+def test_accelerator_signatures_follow_accelerate(method, expected):
+    params = [
+        p for p in inspect.signature(getattr(Accelerator, method)).parameters.values()
+        if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)
+    ]
+    assert [_spelled(p) for p in params][: len(expected)] == expected
+
+
+def test_other_signatures_follow_accelerate():
+    from mpaccel.utils import gather_object
+
+    assert isinstance(inspect.getattr_static(Accelerator, "trigger_sync_in_backward"),
+                      staticmethod)
+    assert list(inspect.signature(gather_object).parameters) == ["object"]
+    init = [p.name for p in inspect.signature(Accelerator).parameters.values()
+            if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert init == [
+        "device_placement", "split_batches", "mixed_precision", "gradient_accumulation_steps",
+        "cpu", "dataloader_config", "deepspeed_plugin", "fsdp_plugin", "torch_tp_plugin",
+        "megatron_lm_plugin", "rng_types", "log_with", "project_dir", "project_config",
+        "gradient_accumulation_plugin", "step_scheduler_with_optimizer", "kwargs_handlers",
+        "dynamo_backend", "dynamo_plugin", "deepspeed_plugins", "parallelism_config",
+    ]
+    for name in ("wait_for_everyone", "print", "is_main_process", "use_distributed"):
+        assert hasattr(AcceleratorState, name)  # on the class, as Accelerate's
+    state_init = [p.name for p in inspect.signature(AcceleratorState).parameters.values()]
+    assert state_init[:8] == [
+        "mixed_precision", "cpu", "dynamo_plugin", "deepspeed_plugin", "fsdp_plugin",
+        "torch_tp_plugin", "megatron_lm_plugin", "parallelism_config",
+    ]
+
+
+def test_prepare_optimizer_places_its_state_on_the_device(comm):
+    reset_state()
+    acc = Accelerator()
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    prepared = acc.prepare_optimizer(opt, device_placement=True)
+    after = prepared.optimizer.state[model.weight]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert after["exp_avg"].device.type == acc.device.type
+
+
+def test_slice_fn_for_dispatch_without_dispatching_is_refused(comm):
+    from mpaccel.data import prepare_data_loader
+
+    reset_state()
+    acc = Accelerator()
+    loader = DataLoader(list(range(8)), batch_size=2)
+    if "slice_fn_for_dispatch" in inspect.signature(prepare_data_loader).parameters:
+        pytest.skip("mpaccel.data dispatches batches: tested with it")
+    with pytest.raises(ConfigurationError, match="HINT"):
+        acc.prepare_data_loader(loader, slice_fn_for_dispatch=lambda *a: a)
+    assert len(list(acc.prepare_data_loader(loader, slice_fn_for_dispatch=None))) > 0
+
+
 class _Stream(IterableDataset):
     def __iter__(self):
         return iter(range(3))

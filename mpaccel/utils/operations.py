@@ -22,8 +22,8 @@ def gather(tensor: Any) -> Any:
     return ops.gather(_comm(), tensor)
 
 
-def gather_object(obj: Any) -> list[Any]:
-    return ops.gather_object(_comm(), obj)
+def gather_object(object: Any) -> list[Any]:  # Accelerate names it `object`
+    return ops.gather_object(_comm(), object)
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
