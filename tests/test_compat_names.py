@@ -18,10 +18,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+import mpaccel
 from mpaccel import Accelerator, AcceleratorState, PartialState
 from mpaccel.errors import CollectiveError, ConfigurationError
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedType, LoggerType
+
+# -- enums and names -----------------------------------------------------------------------------
 
 # Accelerate 1.15's members, value by value (accelerate/utils/dataclasses.py)
 ACCELERATE_ENUMS = {
@@ -57,6 +60,32 @@ def test_enums_have_every_member_accelerate_has():
     assert DistributedType.MULTI_NEURON == "MULTI_NEURON" and str(LoggerType.TRACKIO) == "trackio"
     assert "fp16" in PrecisionType and "fp4" not in PrecisionType
     assert RNGType("generator") is RNGType.GENERATOR and "INDUCTOR" in DynamoBackend
+
+
+def test_accelerate_top_level_names():
+    # accelerate/__init__.py's names that mpaccel provides (docs/training.md lists them)
+    from mpaccel import (
+        AutocastKwargs,
+        DDPCommunicationHookType,
+        DistributedDataParallelKwargs,
+        GradScalerKwargs,
+        ProfileKwargs,
+        find_executable_batch_size,
+        is_rich_available,
+    )
+    from mpaccel.utils import memory, operations
+
+    assert DistributedDataParallelKwargs is mpaccel.utils.DistributedDataParallelKwargs
+    assert AutocastKwargs is mpaccel.utils.AutocastKwargs and GradScalerKwargs
+    assert ProfileKwargs is mpaccel.utils.ProfileKwargs and DDPCommunicationHookType
+    assert find_executable_batch_size is memory.find_executable_batch_size
+    assert operations.DistributedOperationException is mpaccel.errors.DistributedOperationException
+    assert isinstance(is_rich_available(), bool)
+    assert set(mpaccel.__all__) <= set(dir(mpaccel))
+    assert set(mpaccel.utils.__all__) <= set(dir(mpaccel.utils))
+
+
+# -- availability helpers ------------------------------------------------------------------------
 
 
 def _really_installed(module: str) -> bool:
@@ -115,6 +144,9 @@ def test_device_and_version_helpers_tell_this_machine(tmp_path, monkeypatch):
     assert importlib.util.find_spec("mpaccel_fake_pkg") is not None
     assert _installed("mpaccel_fake_pkg") is False
     assert _installed("numpy") is True
+
+
+# -- memory helpers --------------------------------------------------------------------------
 
 
 def test_release_memory_drops_the_references():
@@ -183,6 +215,9 @@ def test_find_executable_batch_size_errors(comm):
         takes_batch_size(8, "x")
 
 
+# -- collective operations -------------------------------------------------------------------
+
+
 @pytest.mark.mpi(min_size=2)
 def test_shape_mismatches_raise_distributed_operation_exception(comm):
     """Accelerate's test_op_checker: shapes that cannot be combined raise its
@@ -207,6 +242,9 @@ def test_shape_mismatches_raise_distributed_operation_exception(comm):
     copy = pickle.loads(pickle.dumps(info.value))
     assert type(copy) is DistributedOperationException and str(copy) == str(info.value)
     acc.wait_for_everyone()  # still in step
+
+
+# -- nested structures and models --------------------------------------------------------------
 
 
 def test_structure_helpers():
@@ -241,6 +279,9 @@ def test_extract_model_from_parallel_and_wait_for_everyone(comm):
     model = acc.prepare(inner)
     assert extract_model_from_parallel(model) is inner
     wait_for_everyone()
+
+
+# -- the state objects -------------------------------------------------------------------------
 
 
 def test_state_attributes_accelerate_scripts_read(comm):
@@ -292,6 +333,9 @@ def test_pickling_the_accelerator(comm):
     assert model is not None
 
 
+# -- plugins -----------------------------------------------------------------------------------
+
+
 def test_plugins_of_other_engines_are_refused_with_a_hint(comm):
     from mpaccel.utils import (
         DeepSpeedPlugin,
@@ -317,6 +361,9 @@ def test_plugins_of_other_engines_are_refused_with_a_hint(comm):
         TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
     plugin = TorchDynamoPlugin(backend="inductor", mode="max-autotune")
     assert plugin.to_kwargs() == {"backend": "inductor", "mode": "max-autotune"}
+
+
+# -- save_state / load_state pre-hooks ---------------------------------------------------------
 
 
 def _two_models(acc):
@@ -416,6 +463,8 @@ def test_save_state_second_argument_is_safe_serialization(comm, mpi_tmp_path):
     assert "async_save" in inspect.signature(acc.save_state).parameters
 
 
+# -- signatures --------------------------------------------------------------------------------
+
 # (method, Accelerate 1.15's parameter names in order, with defaults where it has them)
 ACCELERATE_SIGNATURES = [
     ("unwrap_model", ["model", "keep_fp32_wrapper=True", "keep_torch_compile=True"]),
@@ -499,6 +548,9 @@ def test_slice_fn_for_dispatch_without_dispatching_is_refused(comm):
     assert len(list(acc.prepare_data_loader(loader, slice_fn_for_dispatch=None))) > 0
 
 
+# -- join_uneven_inputs warnings (Accelerate's test_distributed_data_loop) ---------------------
+
+
 class _Stream(IterableDataset):
     def __iter__(self):
         return iter(range(3))
@@ -534,3 +586,4 @@ def test_join_warns_when_iterable_loaders_keep_even_batches(comm):
             pass
         assert issubclass(w[-1].category, UserWarning)
         assert "only supported for map-style datasets" in str(w[-1].message)
+
