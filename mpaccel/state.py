@@ -451,6 +451,11 @@ _ENGINES = {
 }
 
 
+def _partials(name: str) -> property:
+    """A read-only property that is PartialState's of that name."""
+    return property(lambda self: getattr(self._partial, name), doc=f"PartialState.{name}")
+
+
 class AcceleratorState:
     """PartialState plus the training configuration (mixed precision, plugins). Shared state.
 
@@ -557,25 +562,11 @@ class AcceleratorState:
         """See PartialState.print."""
         self._partial.print(*args, **kwargs)
 
-    @property
-    def use_distributed(self) -> bool:
-        return self._partial.use_distributed
-
-    @property
-    def is_main_process(self) -> bool:
-        return self._partial.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self._partial.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self._partial.is_last_process
-
-    @property
-    def fork_launched(self) -> bool:
-        return self._partial.fork_launched
+    use_distributed = _partials("use_distributed")
+    is_main_process = _partials("is_main_process")
+    is_local_main_process = _partials("is_local_main_process")
+    is_last_process = _partials("is_last_process")
+    fork_launched = _partials("fork_launched")
 
     def destroy_process_group(self, group: Any = None) -> None:
         """See PartialState.destroy_process_group."""
