@@ -26,6 +26,21 @@ from .utils import (
     ProjectConfiguration,
 )
 
+# isort: split
+# Accelerate's other top-level names (its `accelerate/__init__.py`)
+from .utils import (
+    AutocastKwargs,
+    DDPCommunicationHookType,
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradScalerKwargs,
+    ParallelismConfig,
+    ProfileKwargs,
+    find_executable_batch_size,
+    is_rich_available,
+)
+
 __all__ = [
     "Accelerator",
     "AcceleratorState",
@@ -45,4 +60,16 @@ __all__ = [
     "ProjectConfiguration",
     "__version__",
     "skip_first_batches",
+]
+__all__ += [
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "ParallelismConfig",
+    "ProfileKwargs",
+    "find_executable_batch_size",
+    "is_rich_available",
 ]

@@ -4,8 +4,9 @@ switches on the kind of distributed set-up."""
 from __future__ import annotations
 
 import contextlib
-import gc
+import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -13,8 +14,9 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, distributed, ops, tracking
+from . import checkpoint, distributed, ops, tracking, training
 from . import slurm as slurm_support
 from .data import PreparedLoader, skip_first_batches
 from .errors import ConfigurationError
@@ -26,31 +28,37 @@ from .training import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
     autocast_context,
+    compile_model,
     make_grad_scaler,
     patch_forward,
-    unpatch_forward,
+    warn_fp16_on_cpu,
 )
 from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     DistributedType,
+    DynamoBackend,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    ProfileKwargs,
     ProjectConfiguration,
+    TorchDynamoPlugin,
 )
+from .utils.memory import release_memory
 
 
-def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, KwargsHandler]:
+def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, Any]:
     known = (
         InitProcessGroupKwargs,
         DistributedDataParallelKwargs,
         GradScalerKwargs,
         AutocastKwargs,
+        ProfileKwargs,
     )
-    found: dict[type, KwargsHandler] = {}
+    found: dict[type, Any] = {}
     for handler in handlers or ():
         kind = type(handler)
         if kind not in known:
@@ -80,6 +88,7 @@ class Accelerator:
         dataloader_config: DataLoaderConfiguration | None = None,
         deepspeed_plugin: Any = None,
         fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
         megatron_lm_plugin: Any = None,
         rng_types: list[str] | None = None,
         log_with: Any = None,
@@ -88,7 +97,11 @@ class Accelerator:
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: list[KwargsHandler] | None = None,
-        dynamo_backend: Any = None,
+        dynamo_backend: DynamoBackend | str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        deepspeed_plugins: Any = None,
+        parallelism_config: Any = None,
+        *,
         even_batches: bool | None = None,
     ) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
@@ -106,6 +119,13 @@ class Accelerator:
             gradient_accumulation_plugin = GradientAccumulationPlugin(
                 num_steps=gradient_accumulation_steps
             )
+        if dynamo_plugin is not None and dynamo_backend is not None:
+            raise ConfigurationError(
+                f"pass either dynamo_backend ({dynamo_backend!r}) or dynamo_plugin, not both",
+                "put the backend in the plugin: TorchDynamoPlugin(backend=...).",
+            )
+        if dynamo_plugin is None:
+            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
         handlers = _handlers_by_type(kwargs_handlers)
         pg = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
         if dataloader_config is None:
@@ -120,9 +140,12 @@ class Accelerator:
         self.state = AcceleratorState(
             mixed_precision=mixed_precision,
             cpu=cpu,
-            deepspeed_plugin=deepspeed_plugin,
+            dynamo_plugin=dynamo_plugin,
+            deepspeed_plugin=deepspeed_plugin if deepspeed_plugins is None else deepspeed_plugins,
             fsdp_plugin=fsdp_plugin,
+            torch_tp_plugin=torch_tp_plugin,
             megatron_lm_plugin=megatron_lm_plugin,
+            parallelism_config=parallelism_config,
             _from_accelerator=True,
             **pg.to_kwargs(),
         )
@@ -134,17 +157,22 @@ class Accelerator:
         self.rng_types = rng_types if rng_types is not None else ["generator"]
         self.log_with = tracking.resolve(log_with)  # an unknown tracker is an error now
         self.trackers: list[tracking.GeneralTracker] = []
-        self.dynamo_backend = dynamo_backend
         self._trigger = 0
         self.step = 0  # micro-batches since the last optimizer step (gradient accumulation)
+        self.init_handler = handlers.get(InitProcessGroupKwargs)
         self.ddp_handler = handlers.get(DistributedDataParallelKwargs)
         self.autocast_handler = handlers.get(AutocastKwargs)
-        scaler_handler = handlers.get(GradScalerKwargs)
+        self.profile_handler = handlers.get(ProfileKwargs)
+        self.scaler_handler = handlers.get(GradScalerKwargs)
         self.scaler = make_grad_scaler(
             self.state.mixed_precision,
             self.device,
-            scaler_handler.to_kwargs() if scaler_handler is not None else None,
+            self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None,
         )
+        # Prepared models run under autocast for both (Accelerate: not fp16 on CPU; warned).
+        self.native_amp = self.state.mixed_precision in ("fp16", "bf16")
+        if self.is_main_process:
+            warn_fp16_on_cpu(self.state.mixed_precision, self.device)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -153,6 +181,21 @@ class Accelerator:
         self._custom_objects: list[Any] = []
         self._async_saver = checkpoint.AsyncSaver()
         self._preemption: slurm_support.Preemption | None = None
+        self._save_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
+        self._load_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The state objects pickle as this process's shared state (state.py). What belongs to
+        # the running process stays with the original: a background save (its thread and
+        # communicator) and the preemption signal handlers.
+        state = dict(self.__dict__)
+        state["_async_saver"] = None
+        state["_preemption"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._async_saver = checkpoint.AsyncSaver()
 
     # -- facts (delegated to the state) --------------------------------------------------------
 
@@ -243,6 +286,53 @@ class Accelerator:
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: int) -> None:
         self.gradient_state.plugin_kwargs.update({"num_steps": value})
+
+    @property
+    def dispatch_batches(self) -> Any:
+        return getattr(self.dataloader_config, "dispatch_batches", None)
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return bool(getattr(self.dataloader_config, "use_stateful_dataloader", False))
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def multi_device(self) -> bool:
+        """Several processes on accelerators (GPUs), as Accelerate: False on CPU."""
+        return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.state.is_fsdp2
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return None
+
+    @property
+    def parallelism_config(self) -> Any:
+        return self.state.parallelism_config
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        return self.state.device_mesh
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return False
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process writes the model where only some do: each node's local main
+        process, as Accelerate's without a ParallelismConfig."""
+        return self.is_local_main_process
 
     # -- process control (delegated) ------------------------------------------------------------
 
@@ -391,7 +481,7 @@ class Accelerator:
         if isinstance(obj, torch.nn.Module):
             return self.prepare_model(obj, device_placement=placement)
         if isinstance(obj, torch.optim.Optimizer):
-            return self.prepare_optimizer(obj)
+            return self.prepare_optimizer(obj, device_placement=placement)
         return self.prepare_data_loader(obj, device_placement=placement)
 
     def prepare_model(
@@ -401,10 +491,13 @@ class Accelerator:
         evaluation_mode: bool = False,
     ) -> torch.nn.Module:
         """Collective when distributed (DDP broadcasts rank 0's parameters and buffers). A
-        model prepared already (or the module inside one) gives back its prepared model."""
+        model prepared already (or the module inside one) gives back its prepared model.
+        With a dynamo backend (Accelerator(dynamo_backend=...) or dynamo_plugin=), the model
+        returned is torch.compile's wrapper around it, made last, as Accelerate does."""
+        inner = self.unwrap_model(model, keep_torch_compile=False)
         for prepared in self._models:
-            if model is prepared or model is self.unwrap_model(prepared):
-                return prepared
+            if inner is self.unwrap_model(prepared, keep_torch_compile=False):
+                return model if training.is_compiled_module(model) else prepared
         if device_placement if device_placement is not None else self.device_placement:
             model = model.to(self.device)
         patch_forward(model, self.mixed_precision, self.device, self._autocast_options())
@@ -413,12 +506,26 @@ class Accelerator:
         if self.num_processes > 1 and trainable and not evaluation_mode:
             options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
             model = distributed.wrap_ddp(model, self.device, **options)
+            if self.ddp_handler is not None:
+                self.ddp_handler.register_comm_hook(model)
             self._models[-1] = model
+        plugin = self.state.dynamo_plugin
+        if plugin.backend != DynamoBackend.NO:
+            # Only the user's copy is compiled: checkpoints work on the model kept in _models,
+            # and no_sync, accumulate and Join find the DDP inside the compiled one.
+            return compile_model(model, plugin.to_kwargs())
         return model
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> AcceleratedOptimizer:
+        """Not collective. The optimizer, aware of gradient accumulation and fp16 loss scaling;
+        with device placement (the Accelerator's by default) its state tensors (a loaded
+        state_dict's, say) move to the device, as Accelerate's."""
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
+        if device_placement if device_placement is not None else self.device_placement:
+            training.move_optimizer_state(optimizer, self.device)
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
         self._optimizers.append(wrapped)
         return wrapped
@@ -442,7 +549,7 @@ class Accelerator:
         self,
         data_loader: DataLoader,
         device_placement: bool | None = None,
-        slice_fn_for_dispatch: Any = None,
+        slice_fn_for_dispatch: Callable | None = None,
     ) -> DataLoader:
         """Collective the first time (the shuffling seed is agreed over MPI, unless
         `dataloader_config.data_seed` is set). The loader is prepared as
@@ -488,8 +595,20 @@ class Accelerator:
         Joinables) of ranks that ran out of batches keep answering the others' all-reduces
         instead of leaving them hanging. `even_batches` overrides the prepared map-style
         loaders' setting inside the block (False: no repeated samples, uneven batches); Join
-        is enabled only when batches are uneven. Does nothing in a world of one."""
-        if self.num_processes == 1:
+        is enabled only when batches are uneven. Does nothing in a world of one, and warns
+        (UserWarning) and does nothing for set-ups other than DDP on CPUs or GPUs."""
+        if self.num_processes == 1 or self.distributed_type not in (
+            DistributedType.MULTI_CPU,
+            DistributedType.MULTI_GPU,
+        ):
+            if self.distributed_type != DistributedType.NO:
+                warnings.warn(
+                    f"joining uneven inputs is only supported for multi-GPU and multi-CPU "
+                    f"DistributedDataParallel training, not {self.distributed_type}: "
+                    f"join_uneven_inputs has no effect",
+                    UserWarning,
+                    stacklevel=3,
+                )
             yield
             return
         from torch.distributed.algorithms import Join
@@ -502,9 +621,9 @@ class Accelerator:
                     loader.sharding.even_batches = even_batches
             if len(changed) < len(self._dataloaders):
                 warnings.warn(
-                    "join_uneven_inputs(even_batches=...) applies to loaders of map-style "
-                    "datasets only; those of iterable datasets keep their setting",
-                    RuntimeWarning,
+                    "overriding even_batches in join_uneven_inputs is only supported for "
+                    "map-style datasets; the loaders of iterable datasets keep their setting",
+                    UserWarning,
                     stacklevel=3,
                 )
         else:
@@ -519,6 +638,8 @@ class Accelerator:
                 stacklevel=3,
             )
         try:
+            # The DDP inside a compiled model is the Joinable
+            joinables = [distributed.ddp_of(j) or j for j in joinables]
             with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
                 yield
         finally:
@@ -555,24 +676,22 @@ class Accelerator:
 
     @contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
-        """Gradients computed in this block are not all-reduced (DDP only; a no-op otherwise)."""
-        context = (
-            model.no_sync()  # type: ignore[operator]
-            if distributed.is_ddp(model)
-            else contextlib.nullcontext()
-        )
-        with context:
+        """Gradients computed in this block are not all-reduced (DDP only, compiled or not; a
+        no-op otherwise)."""
+        ddp = distributed.ddp_of(model)
+        with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
             yield
 
+    @staticmethod
     @contextmanager
-    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
+    def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
         """The backward of this block all-reduces the gradients, even inside no_sync() (DDP
         only; a no-op otherwise): for a last micro-batch whose forward ran under no_sync, as in
         Accelerate. Relies on DDP internals, as Accelerate's does."""
-        if not distributed.is_ddp(model):
+        ddp: Any = distributed.ddp_of(model)
+        if ddp is None:
             yield
             return
-        ddp: Any = model
         saved = (ddp.require_backward_grad_sync, ddp.require_forward_param_sync)
         ddp.require_backward_grad_sync = True
         ddp.require_forward_param_sync = True
@@ -602,7 +721,7 @@ class Accelerator:
                 opt.unscale_gradients()
 
     def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2.0
+        self, parameters: Any, max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
         """Clip the gradients' total norm (after fp16 unscaling); returns the total norm before
         clipping. After DDP's all-reduce the gradients, and so the norm, agree on every rank."""
@@ -625,6 +744,22 @@ class Accelerator:
     def _autocast_options(self, handler: KwargsHandler | None = None) -> dict[str, Any]:
         chosen = handler or self.autocast_handler
         return chosen.to_kwargs() if chosen is not None else {}
+
+    @contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[Any]:
+        """Not collective. torch.profiler around the block, configured by `profile_handler`, else
+        the ProfileKwargs of kwargs_handlers, else torch's defaults; yields the profiler (call
+        its step() per iteration when a schedule is set). Each rank profiles itself; with
+        output_trace_dir, each writes its Chrome trace there as profile_<rank>.json."""
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is None:
+            return
+        os.makedirs(handler.output_trace_dir, exist_ok=True)
+        profiler.export_chrome_trace(
+            os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json")
+        )
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -665,18 +800,24 @@ class Accelerator:
 
     # -- models and memory -----------------------------------------------------------------------
 
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> Any:
-        """The user's model without DDP (and, with keep_fp32_wrapper=False, without autocast)."""
-        while distributed.is_ddp(model) or hasattr(model, "_orig_mod"):
-            model = model.module if distributed.is_ddp(model) else model._orig_mod  # type: ignore
-        if not keep_fp32_wrapper:
-            unpatch_forward(model)
-        return model
+    def unwrap_model(
+        self,
+        model: torch.nn.Module,
+        keep_fp32_wrapper: bool = True,
+        keep_torch_compile: bool = True,
+    ) -> Any:
+        """The user's model without DDP (and, with keep_fp32_wrapper=False, without autocast).
+        A compiled model comes back compiled (around the unwrapped module) unless
+        keep_torch_compile=False."""
+        return training.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """Not collective. The model's state_dict (of the unwrapped model by default: no
-        `module.` prefix from DDP), as Accelerate's, to save it or hand it to another library."""
-        return (self.unwrap_model(model) if unwrap else model).state_dict()
+        `module.` prefix from DDP, nor `_orig_mod.` from torch.compile), as Accelerate's, to
+        save it or hand it to another library."""
+        if unwrap:
+            model = self.unwrap_model(model, keep_torch_compile=False)
+        return model.state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         """torch.save (or safetensors) on the main process only; others do nothing."""
@@ -722,16 +863,96 @@ class Accelerator:
             )
         self._custom_objects.extend(objects)
 
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call `hook(models, weights, output_dir)` in save_state() before anything is written,
+        on every rank, in the order registered: `models` are the prepared models, `weights`
+        their state_dicts (as prepared: with DDP's `module.` prefix), `output_dir` the
+        checkpoint's directory (created). A hook that saves a model its own way removes its
+        entry from `weights` (`weights.pop()`): that model is then left out of the checkpoint
+        (its hook must load it: register_load_state_pre_hook). Returns a handle whose
+        remove() unregisters the hook."""
+        handle = RemovableHandle(self._save_model_state_pre_hook)
+        self._save_model_state_pre_hook[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call `hook(models, input_dir)` in load_state() before anything is read, on every
+        rank, in the order registered: a hook that loads a model its own way removes it from
+        `models`, which load_state() then leaves alone. Returns a removable handle."""
+        handle = RemovableHandle(self._load_model_state_pre_hook)
+        self._load_model_state_pre_hook[handle.id] = hook
+        return handle
+
+    def _run_pre_hooks(
+        self, hooks: Iterable[Callable], arguments: tuple, listed: list, what: str
+    ) -> list[torch.nn.Module]:
+        """Collective. Call the `hooks` with `arguments` (of which `listed` is the list the
+        hooks may shorten, one entry per prepared model); returns the models whose entries
+        remain, the same on every rank (a hook failing on any rank fails every rank)."""
+        entries = list(listed)
+        error: BaseException | None = None
+        try:
+            for hook in hooks:
+                hook(*arguments)
+        except Exception as exc:
+            error = exc
+        comm = self._partial.comm
+        comm.agree(error, what)
+        kept = [i for i, entry in enumerate(entries) if any(entry is e for e in listed)]
+        everyone = comm.allgather(kept, what)
+        if any(k != kept for k in everyone):
+            raise ConfigurationError(
+                f"{what}: the hooks removed different models on different ranks "
+                f"({dict(enumerate(everyone))}: indices of the models kept)",
+                "the hooks must remove the same entries on every rank.",
+            )
+        return [self._models[i] for i in kept]
+
+    @contextmanager
+    def _only_models(self, models: list[torch.nn.Module]) -> Iterator[None]:
+        """The checkpoint saves or loads `models` alone (what the pre-hooks left it)."""
+        every = self._models
+        self._models = models
+        try:
+            yield
+        finally:
+            self._models = every
+
     def save_state(
-        self, output_dir: str | None = None, async_save: bool = False, **kwargs: Any
+        self,
+        output_dir: str | None = None,
+        safe_serialization: bool = True,
+        *,
+        async_save: bool = False,
+        **save_model_func_kwargs: Any,
     ) -> str:
         """Collective. Models, optimizers, schedulers, grad scaler, registered objects, and each
         rank's RNG states and dataloader positions, as an HDF5 checkpoint committed atomically.
         With ProjectConfiguration(automatic_checkpoint_naming=True) the directory is
         project_dir/checkpoints/checkpoint_<n> and old ones are rotated (total_limit).
-        async_save=True snapshots to host memory and writes in the background; see
-        wait_for_checkpoint(). Returns the directory."""
-        return checkpoint.save_state(self, output_dir, async_save)
+        async_save=True (keyword only) snapshots to host memory and writes in the background;
+        see wait_for_checkpoint(). Returns the directory. HDF5 holds no pickles, so
+        `safe_serialization` (Accelerate's choice of safetensors over pickle) is always
+        honoured; `save_model_func_kwargs` (Accelerate passes them to DeepSpeed) are ignored.
+        Hooks of register_save_state_pre_hook run first."""
+        del safe_serialization, save_model_func_kwargs
+        models = self._models
+        if self._save_model_state_pre_hook:
+            directory = ""
+            try:  # an error here is the checkpoint's to report, collectively, below
+                directory = checkpoint._resolve_output(self, output_dir)
+                os.makedirs(directory, exist_ok=True)
+            except Exception:
+                pass
+            weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
+            models = self._run_pre_hooks(
+                list(self._save_model_state_pre_hook.values()),
+                (self._models, weights, directory),
+                weights,
+                "save_state (pre-hooks)",
+            )
+        with self._only_models(models):
+            return checkpoint.save_state(self, output_dir, async_save)
 
     def load_state(
         self,
@@ -745,9 +966,24 @@ class Accelerator:
 
         `load_model_func_kwargs` go to the models' load_state_dict (`strict=False`: keys may
         be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
-        accepted and has nothing to act on: nothing is unpickled here."""
+        accepted and has nothing to act on: nothing is unpickled here. Hooks of
+        register_load_state_pre_hook run first."""
         del load_kwargs
-        return checkpoint.load_state(self, input_dir, load_model_func_kwargs)
+        models = self._models
+        if self._load_model_state_pre_hook:
+            directory = input_dir
+            if directory is None and self.project_dir is not None:
+                latest = checkpoint.latest_checkpoint(self.project_dir)
+                directory = latest[1] if latest is not None else None
+            listed = list(self._models)
+            models = self._run_pre_hooks(
+                list(self._load_model_state_pre_hook.values()),
+                (listed, directory),
+                listed,
+                "load_state (pre-hooks)",
+            )
+        with self._only_models(models):
+            return checkpoint.load_state(self, input_dir, load_model_func_kwargs)
 
     def wait_for_checkpoint(self) -> None:
         """Collective in effect: block until an async save is committed (re-raises its error)."""
@@ -810,6 +1046,11 @@ class Accelerator:
     def save_iteration(self) -> int:
         return self.project_configuration.iteration
 
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """True if a submodule was dispatched over several devices (`hf_device_map`, from
+        `from_pretrained(device_map=...)`): such a model cannot be trained data-parallel."""
+        return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
+
     def free_memory(self, *objects: Any) -> list[Any]:
         """Drop mpaccel's references to prepared objects and release cached memory; returns
         `objects` replaced by None (`a, b = accelerator.free_memory(a, b)`)."""
@@ -818,10 +1059,7 @@ class Accelerator:
         self._schedulers.clear()
         self._dataloaders.clear()
         self.step = 0
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return [None for _ in objects]
+        return release_memory(*objects)
 
     def clear(self, *objects: Any) -> list[Any]:
         return self.free_memory(*objects)

@@ -336,3 +336,50 @@ def is_ddp(model: Any) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     return isinstance(model, DistributedDataParallel)
+
+
+def ddp_of(model: Any) -> Any:
+    """The DistributedDataParallel `model` is, or holds under torch.compile's wrapper (which
+    prepare() puts outside DDP); None if there is none."""
+    while not is_ddp(model) and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model if is_ddp(model) else None
+
+
+def register_comm_hook(
+    model: Any, hook: str, wrapper: str = "no", state_option: dict[str, Any] | None = None
+) -> None:
+    """Register a DDP communication hook ('fp16', 'bf16', 'power_sgd', 'batched_power_sgd'),
+    optionally compressed by `wrapper` ('fp16', 'bf16'), on the DistributedDataParallel
+    `model`; PowerSGD's state takes `state_option`. 'no': nothing. Not collective (DDP runs the
+    hook in every backward, on every rank: register the same on each)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hooks: dict[str, Callable] = {
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+        "power_sgd": powerSGD_hook.powerSGD_hook,
+        "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
+    }
+    wrappers: dict[str, Callable] = {
+        "fp16": default_hooks.fp16_compress_wrapper,
+        "bf16": default_hooks.bf16_compress_wrapper,
+    }
+    if hook == "no":
+        return
+    chosen = hooks[hook]
+    if wrapper != "no":
+        chosen = wrappers[wrapper](chosen)
+    state = None
+    if hook in ("power_sgd", "batched_power_sgd"):
+        state = powerSGD_hook.PowerSGDState(None, **(state_option or {}))
+    try:
+        model.register_comm_hook(state=state, hook=chosen)
+    except TypeError as exc:
+        if "bf16" not in (hook, wrapper):
+            raise
+        raise ConfigurationError(
+            f"DDP communication hook {hook!r} (wrapper {wrapper!r}) cannot run here: {exc}",
+            "bfloat16 compression needs NCCL on CUDA (or XCCL on XPU); on CPU (gloo) use "
+            "comm_hook=DDPCommunicationHookType.FP16, or comm_wrapper=FP16 around PowerSGD.",
+        ) from exc

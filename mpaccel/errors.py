@@ -81,6 +81,22 @@ class CollectiveError(MpaccelError):
         return "\n".join(out)
 
 
+class DistributedOperationException(CollectiveError, ConfigurationError):
+    """Ranks passed tensors that a collective operation cannot combine (shapes or dtypes that
+    differ across ranks), as Accelerate's exception of this name. The check runs on every rank
+    on the same gathered facts, so every rank raises this same error; `failures` stays empty
+    (no rank failed: they disagree) and the message lists what each rank passed. Also a
+    ConfigurationError, which it was before it had Accelerate's name."""
+
+    def __init__(self, message: str, hint: str | None = None, operation: str = "") -> None:
+        self.operation = operation
+        self.failures = {}
+        MpaccelError.__init__(self, message, hint)
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.hint, self.operation))
+
+
 class PeerFailedError(CollectiveError):
     """This rank was waiting in a collective when another rank reported a failure (under the
     pytest plugin: a failed test); the collective is abandoned instead of waiting forever."""

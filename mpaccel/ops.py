@@ -15,7 +15,7 @@ import torch
 
 from . import distributed
 from .comm import Comm
-from .errors import CollectiveMismatchError, ConfigurationError
+from .errors import CollectiveMismatchError, ConfigurationError, DistributedOperationException
 
 
 def _leaves(data: Any) -> list[torch.Tensor]:
@@ -81,13 +81,14 @@ def _metadata(
     return _exchange(comm, operation or what, mine, f"{what} (shape check)")
 
 
-def _mismatch(what: str, metas: list, leaf: int, rule: str) -> ConfigurationError:
+def _mismatch(what: str, metas: list, leaf: int, rule: str) -> DistributedOperationException:
     shapes = ", ".join(f"rank {r}: {m[leaf][0]} {m[leaf][1]}" for r, m in enumerate(metas))
-    return ConfigurationError(
+    return DistributedOperationException(
         f"{what}: tensor #{leaf} differs across ranks ({shapes}); {rule}",
         "call it with the same structure, dtype and shape on every rank; for predictions of "
         "varying length use pad_across_processes() first, or gather_for_metrics("
         "use_gather_object=True).",
+        what,
     )
 
 

@@ -29,6 +29,7 @@ from .utils.dataclasses import (
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
+    TorchDynamoPlugin,
     as_timedelta,
 )
 
@@ -101,6 +102,27 @@ def _limit_threads(found: Discovery) -> None:
 
 
 _PROCESS_GROUP_KEYS = {"backend", "init_method", "timeout"}
+
+
+def _shared_instance(cls: Any) -> Any:
+    """Unpickling a state object: an instance sharing this process's state, as a new
+    `cls()` would, without setting anything up (see __reduce__)."""
+    instance = cls.__new__(cls)
+    instance.__dict__ = cls._shared_state
+    return instance
+
+
+def _missing(cls_name: str, name: str, known: frozenset[str]) -> AttributeError:
+    """The AttributeError for `name`, which the shared state of `cls_name` lacks: for what the
+    state holds once set up, the likely cause (a reset) and its cure."""
+    if name in known:
+        return AttributeError(
+            f"`{cls_name}` object has no attribute `{name}`. This happens if "
+            f"`{cls_name}._reset_state()` was called and an `Accelerator` or `PartialState` was "
+            f"not reinitialized.\nHINT: create the Accelerator (or PartialState) again after "
+            f"resetting the state, and use the objects it prepares."
+        )
+    return AttributeError(f"'{cls_name}' object has no attribute '{name}'")
 
 
 class PartialState:
@@ -183,6 +205,15 @@ class PartialState:
         )
         # After init_process_group: torch wraps sys.excepthook there and buffers its output.
         _install_abort_hook(info, self.comm)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the instance and the class lack: after _reset_state().
+        raise _missing("PartialState", name, _PARTIAL_ATTRIBUTES)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The state is the process's (MPI handles, the process group): a pickled PartialState
+        # unpickles as this process's shared state, not as a copy of another's.
+        return (_shared_instance, (PartialState,))
 
     def _check_same(self, cpu: bool) -> None:
         if cpu and self.device.type != "cpu":
@@ -398,6 +429,9 @@ class PartialState:
             self._shared_state["backend"] = None
 
 
+_PARTIAL_ATTRIBUTES = frozenset(PartialState.__annotations__)
+
+
 def _required_index(value: int | None, method: str, name: str) -> int:
     if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigurationError(
@@ -408,12 +442,27 @@ def _required_index(value: int | None, method: str, name: str) -> int:
 
 
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+_ENGINES = {
+    "deepspeed_plugin": "DeepSpeed",
+    "fsdp_plugin": "FSDP (yet)",
+    "torch_tp_plugin": "tensor parallelism",
+    "megatron_lm_plugin": "Megatron-LM",
+    "parallelism_config": "composable parallelism (ParallelismConfig)",
+}
+
+
+def _partials(name: str) -> property:
+    """A read-only property that is PartialState's of that name."""
+    return property(lambda self: getattr(self._partial, name), doc=f"PartialState.{name}")
 
 
 class AcceleratorState:
     """PartialState plus the training configuration (mixed precision, plugins). Shared state.
 
     Process facts and process control are PartialState's, reached through this object.
+    `dynamo_plugin` is the TorchDynamoPlugin prepared models are compiled with; the plugins of
+    engines mpaccel does not drive (DeepSpeed, FSDP, Megatron-LM, tensor parallelism,
+    ParallelismConfig) must be None: anything else is a ConfigurationError.
     """
 
     _shared_state: dict[str, Any] = {}
@@ -425,7 +474,9 @@ class AcceleratorState:
         dynamo_plugin: Any = None,
         deepspeed_plugin: Any = None,
         fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
         megatron_lm_plugin: Any = None,
+        parallelism_config: Any = None,
         _from_accelerator: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -433,16 +484,19 @@ class AcceleratorState:
         for name, plugin in (
             ("deepspeed_plugin", deepspeed_plugin),
             ("fsdp_plugin", fsdp_plugin),
+            ("torch_tp_plugin", torch_tp_plugin),
             ("megatron_lm_plugin", megatron_lm_plugin),
+            ("parallelism_config", parallelism_config),
         ):
             if plugin is not None:
                 raise ConfigurationError(
-                    f"mpaccel does not drive {name.split('_plugin')[0]}; got {name}={plugin!r}",
-                    "mpaccel trains with DistributedDataParallel; drop the plugin.",
+                    f"mpaccel does not drive {_ENGINES[name]}; got {name}={plugin!r}",
+                    "mpaccel trains with DistributedDataParallel (every rank holds the whole "
+                    f"model): drop {name}= and prepare() the model as it is.",
                 )
         requested = mixed_precision or _env.get("mixed_precision")
         if requested is not None:
-            requested = str(requested).lower()
+            requested = str(getattr(requested, "value", requested)).lower()
             if requested not in _MIXED_PRECISION:
                 raise ConfigurationError(
                     f"mixed_precision={mixed_precision!r} is not one of {_MIXED_PRECISION}"
@@ -467,21 +521,53 @@ class AcceleratorState:
             return
         self._partial = partial
         self._mixed_precision: str = requested or "no"
-        self.dynamo_plugin = dynamo_plugin
+        self.dynamo_plugin = dynamo_plugin if dynamo_plugin is not None else TorchDynamoPlugin()
         self.deepspeed_plugins: dict[str, Any] = {}
         self.fsdp_plugin = None
+        self.torch_tp_plugin = None
         self.megatron_lm_plugin = None
+        self.parallelism_config = None
+        self.device_mesh = None  # no composable parallelism: no mesh
         self._from_accelerator = _from_accelerator
 
     def __getattr__(self, name: str) -> Any:
-        # Only reached for names this class lacks: the process facts and process control.
-        if name.startswith("__") or name == "_partial" or "_partial" not in self.__dict__:
+        # Only reached for names this class lacks: the process facts and process control
+        # (PartialState's), or anything once the state was reset.
+        if name.startswith("__"):
             raise AttributeError(name)
-        return getattr(self._partial, name)
+        partial = self.__dict__.get("_partial")
+        if partial is None:
+            raise _missing("AcceleratorState", name, _ACCELERATOR_ATTRIBUTES)
+        if name in _PARTIAL_ATTRIBUTES or hasattr(PartialState, name):
+            return getattr(partial, name)
+        raise _missing("AcceleratorState", name, _ACCELERATOR_ATTRIBUTES)
 
-    # The process-control methods the documents list on AcceleratorState itself are defined
-    # here, so that the class has them (help, inspect.signature, hasattr on the class); the rest
-    # of PartialState's surface is reached through __getattr__.
+    def __reduce__(self) -> tuple[Any, ...]:
+        # As PartialState's: the unpickled object is this process's shared state.
+        return (_shared_instance, (AcceleratorState,))
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Always False: mpaccel does not shard models (yet)."""
+        return False
+
+    # The process-control methods and facts Accelerate's AcceleratorState has are defined here,
+    # so that the class has them (help, inspect.signature, hasattr on the class); the rest of
+    # PartialState's surface is reached through __getattr__.
+    def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
+        """Collective; see PartialState.wait_for_everyone."""
+        self._partial.wait_for_everyone(timeout)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """See PartialState.print."""
+        self._partial.print(*args, **kwargs)
+
+    use_distributed = _partials("use_distributed")
+    is_main_process = _partials("is_main_process")
+    is_local_main_process = _partials("is_local_main_process")
+    is_last_process = _partials("is_last_process")
+    fork_launched = _partials("fork_launched")
+
     def destroy_process_group(self, group: Any = None) -> None:
         """See PartialState.destroy_process_group."""
         self._partial.destroy_process_group(group)
@@ -535,6 +621,27 @@ class AcceleratorState:
             PartialState._reset_state()
 
 
+# What a set-up AcceleratorState holds: named in the error after a reset (with PartialState's).
+_ACCELERATOR_ATTRIBUTES = _PARTIAL_ATTRIBUTES | {
+    "_partial",
+    "_mixed_precision",
+    "_from_accelerator",
+    "dynamo_plugin",
+    "deepspeed_plugins",
+    "fsdp_plugin",
+    "torch_tp_plugin",
+    "megatron_lm_plugin",
+    "parallelism_config",
+    "device_mesh",
+    "num_processes",
+    "process_index",
+    "local_process_index",
+    "is_main_process",
+    "is_local_main_process",
+    "use_distributed",
+}
+
+
 class GradientState:
     """Gradient synchronisation state for accumulation (shared state)."""
 
@@ -555,6 +662,10 @@ class GradientState:
                 "sync_with_dataloader": gradient_accumulation_plugin.sync_with_dataloader,
                 "sync_each_batch": gradient_accumulation_plugin.sync_each_batch,
             }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # As PartialState's: the unpickled object is this process's shared state.
+        return (_shared_instance, (GradientState,))
 
     @property
     def initialized(self) -> bool:

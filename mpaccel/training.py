@@ -4,6 +4,8 @@ gradient accumulation and fp16 loss scaling, and the mixed-precision forward of 
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -33,6 +35,78 @@ def make_grad_scaler(
     if mixed_precision != "fp16":
         return None
     return torch.amp.GradScaler(device.type, **(options or {}))
+
+
+_warned_fp16_on_cpu = False
+
+
+def warn_fp16_on_cpu(mixed_precision: str, device: torch.device) -> None:
+    """Once per process: fp16 on CPU really computes in float16 here, where Accelerate quietly
+    stays in float32 (docs/training.md, "Precision and clipping")."""
+    global _warned_fp16_on_cpu
+    if mixed_precision != "fp16" or device.type != "cpu" or _warned_fp16_on_cpu:
+        return
+    _warned_fp16_on_cpu = True
+    warnings.warn(
+        "mixed_precision='fp16' on CPU: mpaccel runs the prepared models under float16 autocast "
+        "with a GradScaler, where Accelerate ignores fp16 on CPU and trains in float32. float16 "
+        "on CPU is slow and loses precision; use mixed_precision='bf16' (or 'no') on CPU",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def is_compiled_module(module: Any) -> bool:
+    """`module` is torch.compile's wrapper (an OptimizedModule)."""
+    # torch imports its compiler only when something is compiled: no compiled module without it
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def compile_model(model: torch.nn.Module, compile_kwargs: dict[str, Any]) -> torch.nn.Module:
+    """torch.compile(model, **compile_kwargs), unless it is compiled already."""
+    if is_compiled_module(model):
+        return model
+    return torch.compile(model, **compile_kwargs)  # type: ignore[return-value]
+
+
+def unwrap_model(
+    model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+) -> Any:
+    """The user's module inside DistributedDataParallel/DataParallel and torch.compile's wrapper.
+    `keep_fp32_wrapper=False` also removes the mixed-precision forward; `keep_torch_compile`:
+    a compiled model comes back compiled, around the unwrapped module (a new wrapper when DDP
+    sat between them, so the prepared model is left as it is)."""
+    from torch.nn import DataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    compiled = None
+    while True:
+        if is_compiled_module(model):
+            compiled = compiled or model
+            model = model._orig_mod
+        elif isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        else:
+            break
+    if not keep_fp32_wrapper:
+        unpatch_forward(model)
+    if not keep_torch_compile or compiled is None:
+        return model
+    if compiled._orig_mod is model:
+        return compiled
+    return type(compiled)(model, compiled.dynamo_ctx)
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Put the optimizer's state tensors (a loaded state_dict's) on `device`; torch's
+    load_state_dict then keeps them beside their parameters, `step` counters where it wants
+    them. A fresh optimizer has no state: nothing to do."""
+    if not optimizer.state:
+        return
+    from .utils.operations import send_to_device
+
+    optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
 
 
 def patch_forward(

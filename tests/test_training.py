@@ -9,6 +9,7 @@ import contextlib
 import gc
 import importlib.util
 import sys
+import warnings
 
 import pytest
 import torch
@@ -882,3 +883,208 @@ def test_trigger_sync_in_backward_all_reduces_inside_no_sync(comm):
     assert all(torch.equal(synced, g) for g in comm.allgather(synced))
     mean = sum(comm.allgather(local)) / comm.size
     assert torch.allclose(synced, mean)
+
+
+# -- torch.compile (dynamo_backend / dynamo_plugin) ----------------------------------------------
+
+
+def _train_steps(acc, model, opt, dataset, steps_per_update):
+    loader = acc.prepare(DataLoader(dataset, batch_size=GLOBAL_BATCH // acc.num_processes))
+    for x, y in loader:
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.slow  # torch's compiler takes 3-8 s to import here
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_dynamo_backend_compiles_the_prepared_model(comm, accumulation):
+    """Accelerator(dynamo_backend=...) compiled nothing: the model is now torch.compile's
+    wrapper (around DDP at size > 1) and trains as the uncompiled single-process reference,
+    accumulate() still suppressing DDP's all-reduce through the wrapper."""
+    from mpaccel.training import is_compiled_module
+
+    acc = _fresh(dynamo_backend="eager", gradient_accumulation_steps=accumulation)
+    assert acc.state.dynamo_plugin.backend == "EAGER"
+    inner = _model()
+    model, opt = acc.prepare(inner, torch.optim.SGD(inner.parameters(), lr=0.05))
+    assert is_compiled_module(model)
+    assert acc.prepare(model) is model  # prepared already
+    reduces = _count_all_reduces(distributed.ddp_of(model)) if comm.size > 1 else []
+    dataset = _data()
+    _train_steps(acc, model, opt, dataset, accumulation)
+    if comm.size > 1:  # one bucket: one all-reduce per optimizer step, none in between
+        assert len(reduces) == len(dataset) // GLOBAL_BATCH // accumulation
+    expected = _params(_reference(dataset, accumulation, epochs=1))
+    assert torch.allclose(_params(acc.unwrap_model(model)), expected, atol=1e-5)
+    # unwrap_model: compiled around the user's module by default, bare on request
+    kept = acc.unwrap_model(model)
+    assert is_compiled_module(kept) and kept._orig_mod is inner
+    assert acc.unwrap_model(model, keep_torch_compile=False) is inner
+    assert list(acc.get_state_dict(model)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert acc._models[0] is not model  # checkpoints see the uncompiled model
+
+
+def test_dynamo_plugin_options_reach_torch_compile(comm, monkeypatch):
+    from mpaccel.utils import TorchDynamoPlugin
+
+    seen = {}
+
+    def fake_compile(model, **kwargs):
+        seen.update(kwargs)
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False)
+    acc = _fresh(dynamo_plugin=plugin)
+    acc.prepare(_model())
+    assert seen == {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
+    seen.clear()
+    _fresh(dynamo_backend="no").prepare(_model())
+    assert seen == {}
+
+
+@pytest.mark.slow  # inductor compiles C++ (14 s the first time on this machine)
+def test_inductor_backend(comm):
+    from mpaccel.training import is_compiled_module
+
+    acc = _fresh(dynamo_backend="inductor")
+    model = acc.prepare(_model())
+    assert is_compiled_module(model)
+    x = torch.randn(4, 8)
+    assert torch.allclose(model(x), acc.unwrap_model(model, keep_torch_compile=False)(x))
+
+
+# -- DDP communication hooks ---------------------------------------------------------------------
+
+
+class _PerRank(torch.nn.Module):
+    """Accelerate's test_ddp_comm_hook model: gradients that differ from rank to rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.p = torch.nn.Parameter(torch.randn(40, 20))
+
+    def forward(self, x, rank):
+        return self.p * (x ** (1 + rank))
+
+
+def _hook_grads(model, rank):
+    torch.manual_seed(2024)
+    model(torch.randn(40, 20), rank).mean().backward()
+    return next(model.parameters()).grad
+
+
+@pytest.mark.parametrize(
+    "hook, wrapper, option",
+    [
+        ("no", "no", {}),
+        ("fp16", "no", {}),
+        ("power_sgd", "no", {}),
+        ("power_sgd", "fp16", {}),
+        ("power_sgd", "no", {"matrix_approximation_rank": 2}),
+        ("batched_power_sgd", "no", {}),
+        ("batched_power_sgd", "fp16", {}),
+    ],
+)
+def test_ddp_comm_hooks_are_registered_and_reduce(comm, hook, wrapper, option):
+    """DistributedDataParallelKwargs(comm_hook=...) is registered on the DDP model: the
+    gradients are the all-reduced ones, within the compression's error (Accelerate's test)."""
+    from mpaccel.utils import DDPCommunicationHookType
+
+    kwargs = DistributedDataParallelKwargs(
+        comm_hook=DDPCommunicationHookType(hook), comm_wrapper=wrapper, comm_state_option=option
+    )
+    assert "comm_hook" not in kwargs.to_kwargs()  # not a DistributedDataParallel argument
+    acc = _fresh(kwargs_handlers=[kwargs])
+    model = acc.prepare(_PerRank())
+    if comm.size > 1:  # DDP names the hook it runs
+        named = model._get_ddp_logging_data().get("comm_hook")
+        assert (named is not None) == (hook != "no"), named
+        if named is not None and wrapper == "no":
+            assert hook.replace("_", "").lower() in named.replace("_", "").lower(), named
+    grads = _hook_grads(model, acc.local_process_index)
+    expected = sum(_hook_grads(_PerRank(), rank) for rank in range(comm.size)) / comm.size
+    torch.testing.assert_close(grads, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_comm_hooks_on_cpu_are_a_clear_error(comm):
+    from mpaccel.utils import DDPCommunicationHookType
+
+    for kwargs in (
+        {"comm_hook": DDPCommunicationHookType.BF16},
+        {"comm_hook": "power_sgd", "comm_wrapper": "bf16"},
+    ):
+        acc = _fresh(kwargs_handlers=[DistributedDataParallelKwargs(**kwargs)])
+        if comm.size == 1:  # no DDP: nothing registered, as in Accelerate
+            acc.prepare(_PerRank())
+            continue
+        with pytest.raises(ConfigurationError, match="HINT: bfloat16 compression needs NCCL"):
+            acc.prepare(_PerRank())
+    with pytest.raises(ConfigurationError, match="not a wrapper"):
+        DistributedDataParallelKwargs(comm_wrapper="power_sgd")
+    with pytest.raises(ConfigurationError, match="not a communication hook"):
+        DistributedDataParallelKwargs(comm_hook="fp8")
+
+
+# -- profiler -----------------------------------------------------------------------------------
+
+
+def test_profile_writes_a_trace_per_rank(comm, mpi_tmp_path):
+    import json
+
+    from mpaccel.utils import ProfileKwargs
+
+    handler = ProfileKwargs(activities=["cpu"], output_trace_dir=str(mpi_tmp_path / "traces"))
+    acc = _fresh(kwargs_handlers=[handler])
+    model = acc.prepare(_model())
+    with acc.profile() as prof:
+        model(torch.randn(2, 8)).sum().backward()
+    assert any("addmm" in e.key for e in prof.key_averages())
+    acc.wait_for_everyone()
+    names = sorted(p.name for p in (mpi_tmp_path / "traces").iterdir())
+    assert names == sorted(f"profile_{r}.json" for r in range(comm.size))
+    trace = json.loads((mpi_tmp_path / "traces" / f"profile_{comm.rank}.json").read_text())
+    assert any("addmm" in event.get("name", "") for event in trace["traceEvents"])
+    with pytest.raises(ConfigurationError, match="not a profiler activity"):
+        ProfileKwargs(activities=["gpu"]).build()
+
+
+def test_profile_schedule_and_on_trace_ready(comm):
+    """A handler for one block overrides the Accelerator's; on_trace_ready is called on every
+    rank at the end of each active cycle."""
+    from mpaccel.utils import ProfileKwargs
+
+    ready = []
+    handler = ProfileKwargs(
+        activities=["cpu"],
+        schedule_option={"wait": 1, "warmup": 1, "active": 1},
+        on_trace_ready=lambda prof: ready.append(prof.step_num),
+        record_shapes=True,
+    )
+    acc = _fresh(kwargs_handlers=[ProfileKwargs(output_trace_dir="/nonexistent/never")])
+    model = acc.prepare(_model())
+    with acc.profile(handler) as prof:
+        for _ in range(4):
+            model(torch.randn(2, 8)).sum().backward()
+            prof.step()
+    assert ready == [3]  # after wait, warmup and the active step
+
+
+# -- fp16 on CPU ---------------------------------------------------------------------------------
+
+
+def test_fp16_on_cpu_warns_once(comm, monkeypatch):
+    from mpaccel import training
+
+    monkeypatch.setattr(training, "_warned_fp16_on_cpu", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fresh(mixed_precision="fp16")
+        _fresh(mixed_precision="fp16")
+        _fresh(mixed_precision="bf16")
+    mine = [w for w in caught if "fp16" in str(w.message) and "float32" in str(w.message)]
+    assert len(mine) == (1 if comm.rank == 0 else 0)  # once, on the main process
+    assert mine == [] or issubclass(mine[0].category, UserWarning)

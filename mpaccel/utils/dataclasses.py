@@ -4,30 +4,46 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from ..errors import ConfigurationError
 
 
-class _Names(str, enum.Enum):
+class _NamesMeta(enum.EnumMeta):
+    """`"fp16" in PrecisionType` answers by value (Python 3.11's Enum raises TypeError)."""
+
+    def __contains__(cls, item: object) -> bool:
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class _Names(str, enum.Enum, metaclass=_NamesMeta):
     """A string enum that prints as its value (as Accelerate's enums do)."""
 
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def list(cls) -> list[str]:
+        """Every value, as Accelerate's `Enum.list()`."""
+        return [str(member) for member in cls]
+
 
 class LoggerType(_Names):
-    """Tracker names, as Accelerate spells them, for `Accelerator(log_with=...)`. mpaccel builds
-    TENSORBOARD (and ALL: every built-in one whose package is installed) from a name; the others
-    exist so code naming them imports, and are a ConfigurationError when asked for (pass a
-    GeneralTracker object instead)."""
+    """Tracker names, as Accelerate spells them, for `Accelerator(log_with=...)` (which of
+    them mpaccel can start: docs/training.md, "Experiment trackers")."""
 
     ALL = "all"
     AIM = "aim"
     TENSORBOARD = "tensorboard"
     WANDB = "wandb"
+    TRACKIO = "trackio"
     COMETML = "comet_ml"
     MLFLOW = "mlflow"
     CLEARML = "clearml"
@@ -36,7 +52,7 @@ class LoggerType(_Names):
 
 
 class DistributedType(_Names):
-    """Kinds of distributed set-up, as Accelerate names them. mpaccel itself produces NO,
+    """Kinds of distributed set-up, every member Accelerate has. mpaccel itself produces NO,
     MULTI_CPU (gloo) and MULTI_GPU (NCCL); the other names exist so code comparing against them
     keeps working."""
 
@@ -48,11 +64,86 @@ class DistributedType(_Names):
     MULTI_SDAA = "MULTI_SDAA"
     MULTI_MUSA = "MULTI_MUSA"
     MULTI_XPU = "MULTI_XPU"
-    MULTI_HPU = "MULTI_HPU"
     DEEPSPEED = "DEEPSPEED"
     FSDP = "FSDP"
     XLA = "XLA"
     MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
+
+
+class PrecisionType(_Names):
+    """Values of `mixed_precision` (mpaccel refuses FP8: see the training docs)."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class RNGType(_Names):
+    """Random generators, as Accelerate names them for `Accelerator(rng_types=...)`."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    NEURON = "neuron"
+    GENERATOR = "generator"
+
+
+class DynamoBackend(_Names):
+    """torch.compile backends, as Accelerate names them (`Accelerator(dynamo_backend=...)`):
+    the lower-cased value is torch's backend name; NO compiles nothing."""
+
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    AOT_TS_NVFUSER = "AOT_TS_NVFUSER"
+    NVPRIMS_NVFUSER = "NVPRIMS_NVFUSER"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    OFI = "OFI"
+    FX2TRT = "FX2TRT"
+    ONNXRT = "ONNXRT"
+    TENSORRT = "TENSORRT"
+    AOT_TORCHXLA_TRACE_ONCE = "AOT_TORCHXLA_TRACE_ONCE"
+    TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
+    TVM = "TVM"
+    HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
+
+
+class DDPCommunicationHookType(_Names):
+    """DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks) for
+    `DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=...)`."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+class ComputeEnvironment(_Names):
+    """Where Accelerate's `accelerate config` says the job runs (kept for code naming it)."""
+
+    LOCAL_MACHINE = "LOCAL_MACHINE"
+    AMAZON_SAGEMAKER = "AMAZON_SAGEMAKER"
+
+
+class SageMakerDistributedType(_Names):
+    """SageMaker's kinds of parallelism (kept for code naming them; mpaccel has no SageMaker
+    launcher)."""
+
+    NO = "NO"
+    DATA_PARALLEL = "DATA_PARALLEL"
+    MODEL_PARALLEL = "MODEL_PARALLEL"
 
 
 class KwargsHandler:
@@ -121,7 +212,12 @@ class DistributedDataParallelKwargs(KwargsHandler):
     than one process (torch's own meanings). find_unused_parameters=True is needed by models
     whose forward skips some parameters; it also keeps DDP from rebuilding its gradient
     buckets after the first step, which makes a resumed run reduce gradients exactly as an
-    uninterrupted one (see the checkpoint docs)."""
+    uninterrupted one (see the checkpoint docs).
+
+    comm_hook / comm_wrapper / comm_state_option: a DDP communication hook registered on the
+    prepared model (DDPCommunicationHookType or its value; comm_wrapper compresses another
+    hook's all-reduce, FP16 or BF16 only; comm_state_option: PowerSGDState's arguments). On
+    CPU (gloo) torch refuses the BF16 ones: see docs/training.md."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -130,12 +226,55 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
             raise ConfigurationError(
                 f"DistributedDataParallelKwargs(bucket_cap_mb={self.bucket_cap_mb!r}) must be > 0"
             )
+        self.comm_hook = _hook_type(self.comm_hook, "comm_hook")
+        self.comm_wrapper = _hook_type(self.comm_wrapper, "comm_wrapper")
+        wrappers = (DDPCommunicationHookType.NO, DDPCommunicationHookType.FP16,
+                    DDPCommunicationHookType.BF16)
+        if self.comm_wrapper not in wrappers:
+            raise ConfigurationError(
+                f"DistributedDataParallelKwargs(comm_wrapper={self.comm_wrapper!r}) is not a "
+                f"wrapper",
+                "comm_wrapper compresses another hook: 'no', 'fp16' or 'bf16'; put PowerSGD "
+                "in comm_hook.",
+            )
+        if not isinstance(self.comm_state_option, dict):
+            raise ConfigurationError(
+                f"DistributedDataParallelKwargs(comm_state_option={self.comm_state_option!r}) "
+                "must be a dict",
+                "for example comm_state_option={'matrix_approximation_rank': 2}.",
+            )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """DistributedDataParallel's own arguments (the hook fields are registered apart)."""
+        hooks = ("comm_hook", "comm_wrapper", "comm_state_option")
+        return {k: v for k, v in super().to_kwargs().items() if k not in hooks}
+
+    def register_comm_hook(self, model: Any) -> None:
+        """Register the configured hook on `model` (a DistributedDataParallel); nothing when
+        comm_hook is NO, as in Accelerate."""
+        from ..distributed import register_comm_hook
+
+        register_comm_hook(model, self.comm_hook.value, self.comm_wrapper.value,
+                           self.comm_state_option)
+
+
+def _hook_type(value: Any, name: str) -> DDPCommunicationHookType:
+    try:
+        return DDPCommunicationHookType(getattr(value, "value", value))
+    except ValueError:
+        raise ConfigurationError(
+            f"DistributedDataParallelKwargs({name}={value!r}) is not a communication hook",
+            f"use one of {DDPCommunicationHookType.list()} (or DDPCommunicationHookType.*).",
+        ) from None
 
 
 @dataclass
@@ -240,3 +379,146 @@ class ProjectConfiguration(KwargsHandler):
         self.project_dir = project_dir
         if self.logging_dir is None:
             self.logging_dir = project_dir
+
+
+@dataclass
+class ProfileKwargs(KwargsHandler):
+    """torch.profiler settings for `accelerator.profile()` (torch's meanings). activities:
+    names ("cpu", "cuda", ...; None: torch's default); schedule_option: torch.profiler.schedule's
+    arguments (wait, warmup, active, repeat, skip_first); on_trace_ready: called with the
+    profiler when a cycle's trace is ready, on every rank. output_trace_dir: each rank writes
+    its Chrome trace there as profile_<rank>.json when the block ends."""
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Callable | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def _activity(self, name: str) -> Any:
+        import torch
+
+        kinds = {k.name.lower(): k for k in torch.profiler.ProfilerActivity.__members__.values()}
+        kinds.pop("privateuse1", None)
+        if name not in kinds:
+            raise ConfigurationError(
+                f"ProfileKwargs(activities=[{name!r}, ...]): not a profiler activity",
+                f"use names among {sorted(kinds)}.",
+            )
+        return kinds[name]
+
+    def build(self) -> Any:
+        """The torch.profiler.profile these settings describe (not started)."""
+        import torch
+
+        activities = None
+        if self.activities is not None:
+            activities = [self._activity(name) for name in self.activities]
+        schedule = None
+        if self.schedule_option is not None:
+            schedule = torch.profiler.schedule(**self.schedule_option)
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=self.on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            with_flops=self.with_flops,
+            with_modules=self.with_modules,
+        )
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """torch.compile for the prepared models: `Accelerator(dynamo_plugin=...)`, or
+    `Accelerator(dynamo_backend="inductor")` for the defaults. backend: a DynamoBackend or its
+    name (None: "no", no compilation); mode, fullgraph, dynamic, options, disable: torch.compile's.
+    Unlike Accelerate, the ACCELERATE_DYNAMO_* variables are not read."""
+
+    backend: Any = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self) -> None:
+        name = "no" if self.backend is None else str(getattr(self.backend, "value", self.backend))
+        if name.upper() not in DynamoBackend:
+            raise ConfigurationError(
+                f"TorchDynamoPlugin(backend={self.backend!r}) is not a dynamo backend",
+                f"use one of {[b.lower() for b in DynamoBackend.list()]}.",
+            )
+        self.backend = DynamoBackend(name.upper())
+        if self.mode is None:
+            self.mode = "default"
+        if self.fullgraph is None:
+            self.fullgraph = False
+        if self.use_regional_compilation is None:
+            self.use_regional_compilation = False
+        if self.use_regional_compilation:
+            raise ConfigurationError(
+                "TorchDynamoPlugin(use_regional_compilation=True): mpaccel compiles whole models",
+                "drop use_regional_compilation, or call .compile() on your repeated blocks "
+                "yourself before prepare().",
+            )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """torch.compile's keyword arguments: those changed from the defaults, the backend by
+        torch's name ("inductor")."""
+        kwargs = super().to_kwargs()
+        kwargs.pop("use_regional_compilation", None)
+        if "backend" in kwargs:
+            kwargs["backend"] = self.backend.value.lower()
+        return kwargs
+
+
+class _Refused:
+    """Accelerate's configuration classes for engines mpaccel does not drive: importable, so
+    scripts that name them import; building one is a ConfigurationError with what to do."""
+
+    _engine = ""
+    _hint = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigurationError(
+            f"mpaccel does not drive {self._engine}: {type(self).__name__}(...) cannot be used",
+            self._hint,
+        )
+
+
+_DDP_INSTEAD = (
+    "mpaccel trains with DistributedDataParallel (every rank holds the whole model): drop the "
+    "plugin and prepare() the model as it is."
+)
+
+
+class DeepSpeedPlugin(_Refused):
+    _engine = "DeepSpeed"
+    _hint = _DDP_INSTEAD
+
+
+class FullyShardedDataParallelPlugin(_Refused):
+    _engine = "FSDP (yet)"
+    _hint = _DDP_INSTEAD
+
+
+class MegatronLMPlugin(_Refused):
+    _engine = "Megatron-LM"
+    _hint = _DDP_INSTEAD
+
+
+class TorchTensorParallelPlugin(_Refused):
+    _engine = "tensor parallelism"
+    _hint = _DDP_INSTEAD
+
+
+class ParallelismConfig(_Refused):
+    _engine = "composable parallelism (tensor, context, sharded data parallel)"
+    _hint = _DDP_INSTEAD

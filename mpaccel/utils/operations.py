@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..errors import DistributedOperationException as DistributedOperationException
 
 
 def _comm() -> Any:
@@ -21,8 +22,8 @@ def gather(tensor: Any) -> Any:
     return ops.gather(_comm(), tensor)
 
 
-def gather_object(obj: Any) -> list[Any]:
-    return ops.gather_object(_comm(), obj)
+def gather_object(object: Any) -> list[Any]:  # Accelerate names it `object`
+    return ops.gather_object(_comm(), object)
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
@@ -74,3 +75,86 @@ def send_to_device(
             }
         )
     return tensor
+
+
+# -- Accelerate's helpers for nested structures ---------------------------------------------------
+
+
+def is_torch_tensor(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor)
+
+
+def is_namedtuple(data: Any) -> bool:
+    return isinstance(data, tuple) and hasattr(data, "_fields")
+
+
+def honor_type(obj: Any, generator: Any) -> Any:
+    """A list, tuple or named tuple of `obj`'s type holding what `generator` yields."""
+    if is_namedtuple(obj):
+        return type(obj)(*list(generator))
+    return type(obj)(generator)
+
+
+def recursively_apply(
+    func: Any,
+    data: Any,
+    *args: Any,
+    test_type: Any = is_torch_tensor,
+    error_on_other_type: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """`data` (lists, tuples, named tuples, mappings, nested) rebuilt with the same types, each
+    leaf for which `test_type(leaf)` holds replaced by `func(leaf, *args, **kwargs)`; other
+    leaves are kept, or a TypeError if `error_on_other_type`. Not collective."""
+    if isinstance(data, (tuple, list)):
+        return honor_type(
+            data,
+            (
+                recursively_apply(func, o, *args, test_type=test_type,
+                                  error_on_other_type=error_on_other_type, **kwargs)
+                for o in data
+            ),
+        )
+    if isinstance(data, Mapping):
+        return type(data)(  # type: ignore[call-arg]
+            {
+                k: recursively_apply(func, v, *args, test_type=test_type,
+                                     error_on_other_type=error_on_other_type, **kwargs)
+                for k, v in data.items()
+            }
+        )
+    if test_type(data):
+        return func(data, *args, **kwargs)
+    if error_on_other_type:
+        raise TypeError(
+            f"{getattr(func, '__name__', func)!s} got a {type(data).__name__} ({data!r}); it "
+            f"takes nested lists, tuples and dicts of objects for which "
+            f"{getattr(test_type, '__name__', test_type)!s}() holds"
+        )
+    return data
+
+
+def find_batch_size(data: Any) -> int:
+    """The first dimension of the first tensor in `data` (nested lists, tuples, dicts)."""
+    if isinstance(data, (tuple, list, Mapping)):
+        if len(data) == 0:
+            raise ValueError(f"cannot find the batch size of an empty {type(data).__name__}")
+        first = next(iter(data.values())) if isinstance(data, Mapping) else data[0]
+        return find_batch_size(first)
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"can only find the batch size of tensors, got {type(data).__name__}")
+    return data.shape[0]
+
+
+def concatenate(data: list[Any], dim: int = 0) -> Any:
+    """A list of equally nested structures of tensors -> one structure of the tensors
+    concatenated along `dim` (torch.cat). Not collective."""
+    first = data[0]
+    if isinstance(first, (tuple, list)):
+        parts = (concatenate([d[i] for d in data], dim) for i in range(len(first)))
+        return honor_type(first, parts)
+    if isinstance(first, Mapping):
+        return type(first)({k: concatenate([d[k] for d in data], dim) for k in first})  # type: ignore[call-arg]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"can only concatenate tensors, got {type(first).__name__}")
+    return torch.cat(data, dim=dim)
