@@ -440,7 +440,11 @@ class AcceleratorState:
                     f"mpaccel does not drive {name.split('_plugin')[0]}; got {name}={plugin!r}",
                     "mpaccel trains with DistributedDataParallel; drop the plugin.",
                 )
-        requested = mixed_precision or _env.get("mixed_precision")
+        try:  # the variable's error names it; raised on every rank (PartialState.__init__)
+            requested = mixed_precision or _env.get_choice("mixed_precision")
+        except ConfigurationError as exc:
+            _discover(DEFAULT_TIMEOUT, exc)
+            raise
         if requested is not None:
             requested = str(requested).lower()
             if requested not in _MIXED_PRECISION:
