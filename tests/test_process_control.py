@@ -552,6 +552,27 @@ def test_split_refuses_unordered_inputs_saying_why_and_what_to_use(state, make, 
     assert said in message and "\nHINT: " in message and use in message
 
 
+# What Accelerate 1.15 gives at n=4 for 2 rows (run under `accelerate launch --multi_gpu
+# --num_processes 4` on CPU): empty shares past the input's end, the last row with padding.
+@pytest.mark.mpi(size=4)
+@pytest.mark.parametrize("apply_padding", [False, True])
+def test_split_fewer_rows_than_ranks_as_accelerate(state, comm, apply_padding):
+    r = comm.rank
+    rows = [[0, 1], [2, 3]][r] if r < 2 else ([[2, 3]] if apply_padding else [])
+    rows = [rows] if r < 2 else rows
+    with state.split_between_processes(torch.tensor([[0, 1], [2, 3]]),
+                                       apply_padding=apply_padding) as mine:
+        assert mine.tolist() == rows and mine.shape[1:] == (2,)
+    items = [10, 11][r : r + 1] if r < 2 else ([11] if apply_padding else [])
+    with state.split_between_processes([10, 11], apply_padding=apply_padding) as mine:
+        assert mine == items
+    with state.split_between_processes((10, 11), apply_padding=apply_padding) as mine:
+        assert mine == tuple(items)  # (Accelerate's tuples fail with padding: a TypeError)
+    with state.split_between_processes({"a": [1, 2], "c": torch.tensor([1, 2])},
+                                       apply_padding=apply_padding) as mine:
+        assert mine["a"] == [x - 9 for x in items] and mine["c"].tolist() == mine["a"]
+
+
 def test_destroy_process_group_is_safe(comm):
     AcceleratorState._reset_state(True)
     state = PartialState()
