@@ -1,73 +1,292 @@
-"""The one place mpaccel reads environment variables: a table of logical names to variable names.
+"""The one place mpaccel reads environment variables: one table of every variable, its kind and
+the values it accepts, and typed getters that parse through that table.
 
 Launchers consume some of their variables at MPI_Init (MPICH's PMI_*), so discovery takes a
-`snapshot()` before mpi4py initialises MPI and works from that frozen copy afterwards.
+`snapshot()` before mpi4py initialises MPI, validates it whole (`check`) and works from that
+frozen copy afterwards. Every parse is bounded: a number has a bounded number of digits, and
+Slurm's compressed lists are counted, never expanded, before they are accepted.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
-# logical name -> variable names, first one set wins. Keep this the only list of names.
-VARIABLES: dict[str, tuple[str, ...]] = {
+MAX_INT = 2**31 - 1  # MPI counts and ranks are C ints
+# A Slurm job of more nodes than this is not one Slurm made (python-hostlist's own limit).
+MAX_NODES = 100_000
+YEAR = 365 * 24 * 3600.0  # the longest deadline in seconds: Python's timedelta and torch take it
+
+
+class Kind:
+    """What a variable holds: `parse` returns its value or raises ValueError, and `accepted()`
+    says, after "is not", what a valid value looks like."""
+
+    def accepted(self) -> str:
+        return "any text"
+
+    def parse(self, text: str) -> Any:
+        return text
+
+
+class Text(Kind):
+    pass
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Integer(Kind):
+    low: int = 0
+    high: int = MAX_INT
+
+    def accepted(self) -> str:
+        return f"an integer from {self.low} to {self.high}"
+
+    def parse(self, text: str) -> int:
+        stripped = text.strip()
+        if not re.fullmatch(r"[+-]?[0-9]{1,19}", stripped, re.ASCII):
+            raise ValueError(text)
+        value = int(stripped)
+        if not self.low <= value <= self.high:
+            raise ValueError(text)
+        return value
+
+
+@dataclass(frozen=True)
+class Number(Kind):
+    """A finite float in [low, high] (`low` excluded when `open_low`), in `unit`."""
+
+    low: float
+    high: float
+    unit: str
+    open_low: bool = False
+
+    def accepted(self) -> str:
+        low = f"> {_number(self.low)}" if self.open_low else f">= {_number(self.low)}"
+        return f"a number of {self.unit} {low} and <= {_number(self.high)}"
+
+    def parse(self, text: str) -> float:
+        if len(text) > 64:
+            raise ValueError(text)
+        value = float(text)  # ValueError for anything else; nan and inf are refused below
+        if not math.isfinite(value) or value > self.high:
+            raise ValueError(text)
+        if value < self.low or (self.open_low and value == self.low):
+            raise ValueError(text)
+        return value
+
+
+_TRUE = ("1", "true", "yes", "on", "y", "t")  # Accelerate's str_to_bool takes y/t/n/f too
+_FALSE = ("0", "false", "no", "off", "n", "f")
+
+
+class Flag(Kind):
+    def accepted(self) -> str:
+        return "a boolean (1/0, true/false, yes/no, on/off)"
+
+    def parse(self, text: str) -> bool:
+        lowered = text.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+        raise ValueError(text)
+
+
+@dataclass(frozen=True)
+class Choice(Kind):
+    """One of `choices`, in any case; the value is returned in lower case."""
+
+    choices: tuple[str, ...]
+
+    def accepted(self) -> str:
+        return "one of " + ", ".join(map(repr, self.choices)) + " (in any case)"
+
+    def parse(self, text: str) -> str:
+        lowered = text.strip().lower()
+        if lowered not in self.choices:
+            raise ValueError(text)
+        return lowered
+
+
+_RUN = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?", re.ASCII)
+
+
+class PerNode(Kind):
+    """Slurm's compressed per-node counts, `2(x3),1`, as runs ((2, 3), (1, 1)): never expanded,
+    so a value naming millions of nodes costs what its text costs."""
+
+    def accepted(self) -> str:
+        return f"Slurm's per-node counts such as '2(x3),1' (counts >= 1, at most {MAX_NODES} nodes)"
+
+    def parse(self, text: str) -> tuple[tuple[int, int], ...]:
+        runs = []
+        nodes = 0
+        for part in text.split(","):
+            match = _RUN.fullmatch(part.strip())
+            if match is None:
+                raise ValueError(part)
+            count, repeat = int(match.group(1)), int(match.group(2) or 1)
+            nodes += repeat
+            if count < 1 or repeat < 1 or nodes > MAX_NODES:
+                raise ValueError(part)
+            runs.append((count, repeat))
+        return tuple(runs)
+
+
+_GROUP = re.compile(r"\[([^\[\]]*)\]")
+_RANGE = re.compile(r"([0-9]{1,9})(?:-([0-9]{1,9}))?", re.ASCII)
+
+
+class NodeList(Kind):
+    """A Slurm host list (`gpu[01-03,07],login1`): checked and its names counted without
+    expanding it; environments.slurm expands it once it is known to be small."""
+
+    def accepted(self) -> str:
+        return f"a Slurm node list such as 'gpu[01-03,07],login1' (at most {MAX_NODES} nodes)"
+
+    def parse(self, text: str) -> str:
+        total = 0
+        for part in _top_level_parts(text):
+            if "[" in _GROUP.sub("", part) or "]" in _GROUP.sub("", part):
+                raise ValueError(part)
+            names = 1
+            for group in _GROUP.findall(part):
+                names *= _names_in(group)
+                if names > MAX_NODES:
+                    raise ValueError(part)
+            total += names
+            if total > MAX_NODES:
+                raise ValueError(part)
+        return text
+
+
+def _names_in(rangelist: str) -> int:
+    """How many names `01-03,07` (inside a host list's brackets) stands for."""
+    count = 0
+    for item in rangelist.split(","):
+        match = _RANGE.fullmatch(item)
+        if match is None:
+            raise ValueError(item)
+        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+        if high < low:
+            raise ValueError(item)
+        count += high - low + 1
+        if count > MAX_NODES:
+            raise ValueError(item)
+    return count
+
+
+def _top_level_parts(text: str) -> list[str]:
+    """`a[1,2],b` -> ['a[1,2]', 'b']: the commas outside brackets separate host expressions."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One logical setting: the variables that carry it (the first one set wins) and its kind."""
+
+    names: tuple[str, ...]
+    kind: Kind
+
+
+TEXT = Text()
+RANK = Integer(0)  # a rank or an index, from 0
+COUNT = Integer(1)  # a number of processes, nodes or CPUs, from 1
+FLAG = Flag()
+
+
+def _var(kind: Kind, *names: str) -> Variable:
+    return Variable(names, kind)
+
+
+# logical name -> its variables and kind. Keep this the only list of names: a variable is read
+# through this table or not at all, so none escapes validation.
+VARIABLES: dict[str, Variable] = {
     # MPI launchers: what the launcher believes the world looks like.
-    "ompi_world_size": ("OMPI_COMM_WORLD_SIZE",),
-    "ompi_world_rank": ("OMPI_COMM_WORLD_RANK",),
-    "ompi_local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",),
-    "pmi_size": ("PMI_SIZE",),
-    "pmi_rank": ("PMI_RANK",),
-    "hydra_local_rank": ("MPI_LOCALRANKID",),
-    "hydra_local_size": ("MPI_LOCALNRANKS",),
-    "pmix_rank": ("PMIX_RANK",),
-    "pmix_namespace": ("PMIX_NAMESPACE",),
-    "mvapich_world_size": ("MV2_COMM_WORLD_SIZE",),
-    "mpi4py_libmpi": ("MPI4PY_LIBMPI",),
-    "mpi4py_mpiabi": ("MPI4PY_MPIABI",),
-    # Slurm: job (allocation) and step (srun) facts.
-    "slurm_job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
-    "slurm_array_job_id": ("SLURM_ARRAY_JOB_ID",),
-    "slurm_array_task_id": ("SLURM_ARRAY_TASK_ID",),
-    "slurm_job_name": ("SLURM_JOB_NAME",),
-    "slurm_restart_count": ("SLURM_RESTART_COUNT",),
-    "slurm_step_id": ("SLURM_STEP_ID", "SLURM_STEPID"),
-    "slurm_ntasks": ("SLURM_NTASKS", "SLURM_NPROCS"),
-    "slurm_step_num_tasks": ("SLURM_STEP_NUM_TASKS",),
-    "slurm_step_num_nodes": ("SLURM_STEP_NUM_NODES",),
-    "slurm_job_num_nodes": ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
-    "slurm_ntasks_per_node": ("SLURM_NTASKS_PER_NODE",),
+    "ompi_world_size": _var(COUNT, "OMPI_COMM_WORLD_SIZE"),
+    "ompi_world_rank": _var(RANK, "OMPI_COMM_WORLD_RANK"),
+    "ompi_local_rank": _var(RANK, "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "pmi_size": _var(COUNT, "PMI_SIZE"),
+    "pmi_rank": _var(RANK, "PMI_RANK"),
+    "hydra_local_rank": _var(RANK, "MPI_LOCALRANKID"),
+    "hydra_local_size": _var(COUNT, "MPI_LOCALNRANKS"),
+    "pmix_rank": _var(RANK, "PMIX_RANK"),
+    "pmix_namespace": _var(TEXT, "PMIX_NAMESPACE"),
+    "mvapich_world_size": _var(COUNT, "MV2_COMM_WORLD_SIZE"),
+    "mpi4py_libmpi": _var(TEXT, "MPI4PY_LIBMPI"),
+    "mpi4py_mpiabi": _var(TEXT, "MPI4PY_MPIABI"),
+    # Slurm: job (allocation) and step (srun) facts. Ids stay text: they are only passed on.
+    "slurm_job_id": _var(TEXT, "SLURM_JOB_ID", "SLURM_JOBID"),
+    "slurm_array_job_id": _var(TEXT, "SLURM_ARRAY_JOB_ID"),
+    "slurm_array_task_id": _var(TEXT, "SLURM_ARRAY_TASK_ID"),
+    "slurm_job_name": _var(TEXT, "SLURM_JOB_NAME"),
+    "slurm_restart_count": _var(RANK, "SLURM_RESTART_COUNT"),
+    "slurm_step_id": _var(TEXT, "SLURM_STEP_ID", "SLURM_STEPID"),
+    "slurm_ntasks": _var(COUNT, "SLURM_NTASKS", "SLURM_NPROCS"),
+    "slurm_step_num_tasks": _var(COUNT, "SLURM_STEP_NUM_TASKS"),
+    "slurm_step_num_nodes": _var(COUNT, "SLURM_STEP_NUM_NODES"),
+    "slurm_job_num_nodes": _var(COUNT, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+    "slurm_ntasks_per_node": _var(COUNT, "SLURM_NTASKS_PER_NODE"),
     # The job's CPUs per node: the one size that an MPI launcher's srun-started daemons leave
     # to their ranks (their SLURM_NTASKS and *_TASKS_PER_NODE describe the daemons).
-    "slurm_job_cpus_per_node": ("SLURM_JOB_CPUS_PER_NODE",),
-    "slurm_tasks_per_node": ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
-    "slurm_procid": ("SLURM_PROCID",),
-    "slurm_localid": ("SLURM_LOCALID",),
-    "slurm_nodeid": ("SLURM_NODEID",),
-    "slurm_nodename": ("SLURMD_NODENAME",),
-    "slurm_nodelist": ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
-    "slurm_job_nodelist": ("SLURM_JOB_NODELIST", "SLURM_NODELIST"),
-    "slurm_mpi_type": ("SLURM_MPI_TYPE",),
-    "slurm_partition": ("SLURM_JOB_PARTITION",),
-    "slurm_cpus_per_task": ("SLURM_CPUS_PER_TASK",),
-    # Devices.
-    "cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",),
-    "omp_num_threads": ("OMP_NUM_THREADS",),
-    # mpaccel's own knobs.
-    "timeout": ("MPACCEL_TIMEOUT",),
-    "master_addr": ("MPACCEL_MASTER_ADDR",),
-    "ifname": ("MPACCEL_IFNAME",),
-    "abort_on_exception": ("MPACCEL_ABORT_ON_EXCEPTION",),
-    "skip_launch_checks": ("MPACCEL_SKIP_LAUNCH_CHECKS",),
-    "debug": ("MPACCEL_DEBUG", "ACCELERATE_DEBUG_MODE"),
-    "mixed_precision": ("MPACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"),
-    "use_cpu": ("MPACCEL_USE_CPU", "ACCELERATE_USE_CPU"),
-    "log_level": ("MPACCEL_LOG_LEVEL", "ACCELERATE_LOG_LEVEL"),
-    "io_threads": ("MPACCEL_IO_THREADS",),
-    "mpi_progress": ("MPACCEL_MPI_PROGRESS",),
-    "test_timeout": ("MPACCEL_TEST_TIMEOUT",),
-    "mpiexec": ("MPACCEL_MPIEXEC",),
-    "ci": ("CI",),
+    "slurm_job_cpus_per_node": _var(PerNode(), "SLURM_JOB_CPUS_PER_NODE"),
+    "slurm_tasks_per_node": _var(PerNode(), "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+    "slurm_procid": _var(RANK, "SLURM_PROCID"),
+    "slurm_localid": _var(RANK, "SLURM_LOCALID"),
+    "slurm_nodeid": _var(RANK, "SLURM_NODEID"),
+    "slurm_nodename": _var(TEXT, "SLURMD_NODENAME"),
+    "slurm_nodelist": _var(
+        NodeList(), "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"
+    ),
+    "slurm_job_nodelist": _var(NodeList(), "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+    "slurm_mpi_type": _var(TEXT, "SLURM_MPI_TYPE"),
+    "slurm_partition": _var(TEXT, "SLURM_JOB_PARTITION"),
+    "slurm_cpus_per_task": _var(COUNT, "SLURM_CPUS_PER_TASK"),
+    # Devices: only whether they are set matters (OMP_NUM_THREADS may be a list, "4,2").
+    "cuda_visible_devices": _var(TEXT, "CUDA_VISIBLE_DEVICES"),
+    "omp_num_threads": _var(TEXT, "OMP_NUM_THREADS"),
+    # mpaccel's own knobs (docs/launching.md).
+    "timeout": _var(Number(0.0, YEAR, "seconds", open_low=True), "MPACCEL_TIMEOUT"),
+    "master_addr": _var(TEXT, "MPACCEL_MASTER_ADDR"),
+    "ifname": _var(TEXT, "MPACCEL_IFNAME"),
+    "abort_on_exception": _var(FLAG, "MPACCEL_ABORT_ON_EXCEPTION"),
+    "skip_launch_checks": _var(FLAG, "MPACCEL_SKIP_LAUNCH_CHECKS"),
+    "debug": _var(FLAG, "MPACCEL_DEBUG", "ACCELERATE_DEBUG_MODE"),
+    "mixed_precision": _var(
+        Choice(("no", "fp16", "bf16", "fp8")),
+        "MPACCEL_MIXED_PRECISION",
+        "ACCELERATE_MIXED_PRECISION",
+    ),
+    "use_cpu": _var(FLAG, "MPACCEL_USE_CPU", "ACCELERATE_USE_CPU"),
+    "log_level": _var(
+        Choice(("debug", "info", "warning", "warn", "error", "critical", "fatal", "notset")),
+        "MPACCEL_LOG_LEVEL",
+        "ACCELERATE_LOG_LEVEL",
+    ),
+    "io_threads": _var(Integer(1, 1024), "MPACCEL_IO_THREADS"),
+    "mpi_progress": _var(Number(0.0, 60_000.0, "milliseconds"), "MPACCEL_MPI_PROGRESS"),
+    "test_timeout": _var(Number(0.0, YEAR, "seconds"), "MPACCEL_TEST_TIMEOUT"),
+    "mpiexec": _var(TEXT, "MPACCEL_MPIEXEC"),
+    "ci": _var(TEXT, "CI"),
 }
 
 Snapshot = Mapping[str, str]
@@ -76,74 +295,125 @@ Snapshot = Mapping[str, str]
 def snapshot(environ: Mapping[str, str] | None = None) -> Snapshot:
     """Copy every variable of the table that is set, keyed by *variable* name (read-only)."""
     source = os.environ if environ is None else environ
-    names = {name for names in VARIABLES.values() for name in names}
+    names = {name for variable in VARIABLES.values() for name in variable.names}
     return MappingProxyType({name: source[name] for name in names if name in source})
 
 
-def get(logical: str, env: Mapping[str, str] | None = None) -> str | None:
-    """The value of the first variable set for `logical`, from `env` or the live environment."""
+def _variable(logical: str) -> Variable:
     try:
-        names = VARIABLES[logical]
+        return VARIABLES[logical]
     except KeyError:
         raise KeyError(f"mpaccel._env has no variable named {logical!r}") from None
-    source = os.environ if env is None else env
-    for name in names:
-        value = source.get(name)
-        if value is not None and value != "":
-            return value
-    return None
 
 
 def source_name(logical: str, env: Mapping[str, str] | None = None) -> str | None:
-    """Which variable `get(logical)` would take its value from (for error messages)."""
+    """Which variable carries `logical`'s value: the first of its names set to something."""
     source = os.environ if env is None else env
-    for name in VARIABLES[logical]:
+    for name in _variable(logical).names:
         if source.get(name):
             return name
     return None
 
 
-def get_int(logical: str, env: Mapping[str, str] | None = None) -> int | None:
-    """`get` parsed as an int; a malformed value is an error that names the variable."""
-    value = get(logical, env)
-    if value is None:
+def is_set(logical: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether one of `logical`'s variables is set (not empty); its value is not looked at."""
+    return source_name(logical, env) is not None
+
+
+def _read(logical: str, env: Mapping[str, str] | None) -> tuple[str, Any] | None:
+    """(text, parsed value) of the variable carrying `logical`, or None when none is set."""
+    name = source_name(logical, env)
+    if name is None:
         return None
+    text = (os.environ if env is None else env)[name]
     try:
-        return int(value)
+        return text, _variable(logical).kind.parse(text)
     except ValueError:
-        raise _bad(logical, env, value, "an integer") from None
+        raise _bad_value(name, text, _variable(logical).kind.accepted()) from None
+
+
+def get(logical: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The text of the first variable set for `logical` (checked against its kind), from `env`
+    or the live environment; None when none is set."""
+    found = _read(logical, env)
+    return None if found is None else found[0]
+
+
+def _typed(logical: str, env: Mapping[str, str] | None, kind: type[Kind]) -> Any:
+    if not isinstance(_variable(logical).kind, kind):
+        raise TypeError(  # a bug in mpaccel, not in the environment
+            f"{logical!r} holds {type(_variable(logical).kind).__name__}, not {kind.__name__}"
+        )
+    found = _read(logical, env)
+    return None if found is None else found[1]
+
+
+def get_int(logical: str, env: Mapping[str, str] | None = None) -> int | None:
+    value: int | None = _typed(logical, env, Integer)
+    return value
 
 
 def get_float(logical: str, env: Mapping[str, str] | None = None) -> float | None:
-    value = get(logical, env)
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise _bad(logical, env, value, "a number") from None
+    value: float | None = _typed(logical, env, Number)
+    return value
 
 
 def get_bool(logical: str, default: bool, env: Mapping[str, str] | None = None) -> bool:
-    value = get(logical, env)
-    if value is None:
-        return default
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise _bad(logical, env, value, "a boolean (1/0, true/false, yes/no, on/off)")
+    value: bool | None = _typed(logical, env, Flag)
+    return default if value is None else value
 
 
-def _bad(logical: str, env: Mapping[str, str] | None, value: str, kind: str) -> Exception:
+def get_choice(logical: str, env: Mapping[str, str] | None = None) -> str | None:
+    value: str | None = _typed(logical, env, Choice)
+    return value
+
+
+def get_runs(logical: str, env: Mapping[str, str] | None = None) -> tuple[tuple[int, int], ...]:
+    """Slurm's per-node counts as (count, repeat) runs; () when unset."""
+    value: tuple[tuple[int, int], ...] | None = _typed(logical, env, PerNode)
+    return () if value is None else value
+
+
+def check(env: Mapping[str, str]) -> None:
+    """Parse every setting of the table that `env` sets, as the getters would: one
+    ConfigurationError naming every variable that holds a value it cannot take."""
+    problems = []
+    for logical in VARIABLES:
+        try:
+            _read(logical, env)
+        except ValueError as exc:
+            problems.append(exc)
+    messages = list(dict.fromkeys(str(getattr(p, "message", p)) for p in problems))
+    if len(messages) == 1:
+        raise problems[0]
+    if messages:
+        from .errors import ConfigurationError
+
+        raise ConfigurationError(
+            "; ".join(messages), "fix or unset each of them (docs/launching.md lists them)."
+        )
+
+
+def _quoted(text: str, limit: int = 120) -> str:
+    """repr(text), shortened when long: messages stay readable whatever a variable holds."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _bad_value(name: str, text: str, accepted: str) -> Exception:
+    """The ConfigurationError for variable `name` holding `text` instead of `accepted`."""
     from .errors import ConfigurationError  # a ValueError; imported late: errors is tiny anyway
 
-    name = source_name(logical, env)
+    if name.startswith(("MPACCEL_", "ACCELERATE_")):
+        hint = f"set {name} to such a value, or unset it (docs/launching.md lists the variables)."
+    else:
+        hint = (
+            f"fix or unset {name}; launchers and Slurm set their variables themselves, so a "
+            "hand-exported one is the usual cause."
+        )
     return ConfigurationError(
-        f"environment variable {name}={value!r} is not {kind}",
-        f"fix or unset {name}; launchers and Slurm set their variables themselves, so a "
-        "hand-exported one is the usual cause.",
+        f"environment variable {name}={_quoted(text)} is not {accepted}", hint
     )
 
 

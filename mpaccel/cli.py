@@ -19,7 +19,8 @@ from . import __version__, _env
 from .device import select_device
 from .discovery import discover, import_mpi
 from .environments import SlurmFacts, detect_launcher
-from .errors import LaunchError
+from .environments.slurm import runs_text
+from .errors import MpaccelError
 
 Facts = dict[str, Any]
 
@@ -136,25 +137,25 @@ def collect_env_facts() -> Facts:
         "mpi": _mpi_facts(env),
     }
     discovery = None
+    timeout, problem = 300.0, None
     try:  # a malformed launcher variable is a launch problem to report, not a crash of the report
         # with the library known, as discover() decides: another MPI's variables left over
         launcher = detect_launcher(env, facts["mpi"].get("library"))
         facts["launcher"] = {"name": launcher.name, "expected": launcher.expected_world_size()}
         slurm = SlurmFacts.from_env(env)
         facts["slurm"] = dataclasses.asdict(slurm) if slurm.in_job else None
-        timeout = _env.get_float("timeout", env) or 300.0
-    except (LaunchError, ValueError) as exc:
+        timeout = _env.get_float("timeout", env) or timeout
+    except MpaccelError as exc:  # discover() raises it on every rank: none waits for this one
+        problem = exc
+    try:
+        discovery = discover(timeout, env=env, problem=problem)
+    except MpaccelError as exc:
         facts["launch_problem"] = _problem(exc)
-    else:
-        try:
-            discovery = discover(timeout, env=env)
-        except LaunchError as exc:
-            facts["launch_problem"] = _problem(exc)
-        except RuntimeError as exc:  # mpi4py 4 raises this, not ImportError, for a bad libmpi
-            if "error" not in facts["mpi"]:
-                raise
-            message = f"mpi4py cannot load an MPI library: {exc}"
-            facts["launch_problem"] = {"message": message, "hint": NO_MPI_HINT}
+    except RuntimeError as exc:  # mpi4py 4 raises this, not ImportError, for a bad libmpi
+        if "error" not in facts["mpi"]:
+            raise
+        message = f"mpi4py cannot load an MPI library: {exc}"
+        facts["launch_problem"] = {"message": message, "hint": NO_MPI_HINT}
     if discovery is not None:
         info = discovery.info
         row = {
@@ -252,7 +253,7 @@ def _slurm_section(slurm: Facts | None) -> str:
     if list(slurm.get("nodelist") or []) != list(nodelist):
         rows.append((f"step nodelist ({len(slurm['nodelist'])})", slurm["nodelist"]))
     rows += [
-        ("tasks per node", slurm.get("tasks_per_node")),
+        ("tasks per node", runs_text(slurm.get("tasks_per_node") or ())),
         ("restart count", slurm.get("restart_count")),
         ("mpi type", _text(slurm.get("mpi_type"), "- (SLURM_MPI_TYPE unset)")),
     ]

@@ -150,6 +150,7 @@ class _LaunchVariables:
 
     @classmethod
     def parse(cls, env: _env.Snapshot) -> _LaunchVariables:
+        _env.check(env)  # every variable of the table, whoever reads it later
         launcher = detect_launcher(env)
         launcher.expected_world_size()  # parses the launcher's count now, not after MPI_Init
         return cls(
@@ -209,7 +210,7 @@ def discover(
     if not skip and not MPI.Is_initialized():
         try:
             check_pmix_before_init(launcher, env, library)
-        except LaunchError:
+        except (LaunchError, ConfigurationError):
             if problem is not None:  # MPI_Init would abort: this rank's own mistake first
                 raise problem from None
             raise

@@ -7,6 +7,7 @@ data-plane collective. gather() also accepts tensors whose first dimension diffe
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -74,11 +75,85 @@ def _rank_list(ranks: list[int]) -> str:
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
+# A nested input's structure, as the ranks compare it: "tensor", "value" (not a tensor nor a
+# container: each rank keeps its own), ("dict", ((repr(key), spec), ...)) in the mapping's order,
+# or (type name, (spec, ...)) for lists, tuples and named tuples. It rides on the shape check's
+# exchange: comparing it costs no collective.
+Spec = Any
+Leaves = list[tuple[tuple[int, ...], str]]  # (shape, dtype) of each tensor, in _leaves() order
+
+
+def _describe(data: Any, leaves: Leaves) -> Spec:
+    if isinstance(data, torch.Tensor):
+        leaves.append((tuple(data.shape), str(data.dtype)))
+        return "tensor"
+    if isinstance(data, Mapping):
+        return ("dict", tuple((repr(k), _describe(v, leaves)) for k, v in data.items()))
+    if isinstance(data, (list, tuple)):
+        return (type(data).__name__, tuple(_describe(v, leaves) for v in data))
+    return "value"
+
+
 def _metadata(
     comm: Comm, data: Any, what: str, operation: str | None = None
-) -> list[list[tuple[tuple[int, ...], str]]]:
-    mine = [(tuple(t.shape), str(t.dtype)) for t in _leaves(data)]
-    return _exchange(comm, operation or what, mine, f"{what} (shape check)")
+) -> list[tuple[Spec, Leaves]]:
+    """Collective: every rank's (structure, leaves) of `data`, in one exchange."""
+    leaves: Leaves = []
+    spec = _describe(data, leaves)
+    return _exchange(comm, operation or what, (spec, leaves), f"{what} (shape check)")
+
+
+def _children(spec: Spec) -> list[tuple[str, Spec]]:
+    """(label, child) of a container's spec: a dict's repr(key), a sequence's index."""
+    kind, children = spec
+    return list(children) if kind == "dict" else [(str(i), c) for i, c in enumerate(children)]
+
+
+def _first_difference(a: Spec, b: Spec) -> list[str]:
+    """The labels leading to the first place where the structures `a` != `b` differ."""
+    if isinstance(a, str) or isinstance(b, str) or a[0] != b[0]:
+        return []
+    pairs_a, pairs_b = _children(a), _children(b)
+    if [label for label, _ in pairs_a] != [label for label, _ in pairs_b]:
+        return []
+    for (label, child_a), (_, child_b) in zip(pairs_a, pairs_b):
+        if child_a != child_b:
+            return [label, *_first_difference(child_a, child_b)]
+    return []
+
+
+def _say(spec: Spec, labels: list[str]) -> str:
+    """What `spec` holds at `labels`, in words."""
+    for label in labels:
+        spec = None if isinstance(spec, str) else dict(_children(spec)).get(label)
+    if spec is None or isinstance(spec, str):
+        return {None: "nothing", "tensor": "a tensor", "value": "a value that is not a tensor"}[
+            spec
+        ]
+    kind, children = spec
+    if kind != "dict":
+        return f"a {kind} of {len(children)} item(s)"
+    keys = [key for key, _ in children]
+    more = f", ... ({len(keys)} keys)" if len(keys) > 8 else ""
+    return f"a dict with keys [{', '.join(keys[:8])}{more}]"
+
+
+def _check_structure(what: str, specs: list[Spec]) -> None:
+    """Every rank's structure equal to rank 0's, else one error naming the ranks, where the
+    structures differ and how (the same on every rank: computed from what every rank got)."""
+    groups: dict[Spec, list[int]] = {}
+    for rank, spec in enumerate(specs):
+        groups.setdefault(spec, []).append(rank)
+    if len(groups) == 1:
+        return
+    labels = _first_difference(specs[0], next(s for s in groups if s != specs[0]))
+    found = "; ".join(f"{_rank_list(ranks)}: {_say(s, labels)}" for s, ranks in groups.items())
+    where = "".join(f"[{label}]" for label in labels)
+    raise ConfigurationError(
+        f"{what}: the ranks passed different structures, at input{where}: {found}",
+        "every rank must pass the same nested structure: the same dict keys in the same order, "
+        "lists and tuples of the same length, tensors in the same places.",
+    )
 
 
 def _mismatch(what: str, metas: list, leaf: int, rule: str) -> DistributedOperationException:
@@ -104,14 +179,11 @@ _SHAPE_RULES: dict[str, tuple[Callable[[tuple, tuple], bool], str]] = {
 }
 
 
-def _check(what: str, metas: list, rule: str) -> None:
-    counts = {len(m) for m in metas}
-    if len(counts) != 1:
-        raise ConfigurationError(
-            f"{what}: ranks passed different numbers of tensors "
-            f"({', '.join(f'rank {r}: {len(m)}' for r, m in enumerate(metas))})",
-            "every rank must pass the same nested structure.",
-        )
+def _check(what: str, exchanged: list[tuple[Spec, Leaves]], rule: str) -> list[Leaves]:
+    """Every rank's leaves, once structures, dtypes and shapes (by `rule`) agree across ranks;
+    else the same ConfigurationError on every rank."""
+    _check_structure(what, [spec for spec, _ in exchanged])
+    metas = [leaves for _, leaves in exchanged]
     agrees, message = _SHAPE_RULES[rule]
     for leaf in range(len(metas[0])):
         shape0, dtype0 = metas[0][leaf]
@@ -121,6 +193,7 @@ def _check(what: str, metas: list, rule: str) -> None:
                 raise _mismatch(what, metas, leaf, "dtypes must match")
             if not agrees(shape, shape0):
                 raise _mismatch(what, metas, leaf, message)
+    return metas
 
 
 def gather(comm: Comm, data: Any) -> Any:
@@ -130,8 +203,7 @@ def gather(comm: Comm, data: Any) -> Any:
     """
     if comm.size == 1:
         return data
-    metas = _metadata(comm, data, "gather")
-    _check("gather", metas, "trailing")
+    metas = _check("gather", _metadata(comm, data, "gather"), "trailing")
     counter = iter(range(len(metas[0])))
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
@@ -199,25 +271,59 @@ def reduce(comm: Comm, data: Any, reduction: str = "sum", scale: float = 1.0) ->
     return _rebuild(data, one)
 
 
+def _as_rank(value: Any) -> Any:
+    """`value` as a plain int where it is one (a numpy integer too), else as it is."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _source(what: str, from_process: Any, size: int) -> None:
+    """Refuse a `from_process` that is no rank (every rank named it: checked after the
+    exchange, so a rank alone with a bad one cannot leave the others waiting)."""
+    if not isinstance(from_process, int):
+        raise ConfigurationError(f"{what}(from_process={from_process!r}): expected a rank (int)")
+    if not 0 <= from_process < size:
+        raise ConfigurationError(
+            f"{what}(from_process={from_process}) is not a rank of this job of {size}",
+            f"use a rank from 0 to {size - 1}.",
+        )
+
+
 def broadcast(comm: Comm, data: Any, from_process: int = 0) -> Any:
     """Rank `from_process`'s tensors on every rank (same shapes required), in place."""
+    from_process = _as_rank(from_process)
     if comm.size == 1:
+        _source("broadcast", from_process, 1)
         return data
-    if not 0 <= from_process < comm.size:
-        raise ConfigurationError(f"broadcast(from_process={from_process}) is not a rank")
-    operation = f"broadcast(from_process={from_process})"
-    _check("broadcast", _metadata(comm, data, "broadcast", operation), "shape")
+    operation = f"broadcast(from_process={from_process!r})"
+    exchanged = _metadata(comm, data, "broadcast", operation)
+    _source("broadcast", from_process, comm.size)
+    _check("broadcast", exchanged, "shape")
     return _rebuild(data, lambda t: distributed.broadcast(t, from_process))
+
+
+def broadcast_object_list(comm: Comm, objects: list[Any], from_process: int = 0) -> list[Any]:
+    """Collective: rank `from_process`'s list of picklable objects on every rank, put in place
+    of `objects`' items (over MPI). Every rank must name the same `from_process`: it rides
+    in the one exchange, so a rank naming another is one error on every rank, naming them."""
+    from_process = _as_rank(from_process)
+    operation = f"broadcast_object_list(from_process={from_process!r})"
+    mine = list(objects) if from_process == comm.rank else None
+    parts = _exchange(comm, operation, mine, "broadcast_object_list")
+    _source("broadcast_object_list", from_process, comm.size)
+    objects[:] = parts[from_process]
+    return objects
 
 
 def pad_across_processes(
     comm: Comm, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
 ) -> Any:
     """Pad each tensor along `dim` to the largest size any rank has, with `pad_index`."""
-    metas = _metadata(comm, data, "pad_across_processes")
     # Each rank pads only `dim`, so other dimensions may differ; the structure, the number of
     # dimensions and the dtypes may not (else ranks would fail, or not, one by one).
-    _check("pad_across_processes", metas, "ndim")
+    metas = _check("pad_across_processes", _metadata(comm, data, "pad_across_processes"), "ndim")
     counter = iter(range(len(metas[0])))
 
     def one(tensor: torch.Tensor) -> torch.Tensor:

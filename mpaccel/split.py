@@ -1,19 +1,49 @@
-"""split_between_processes: this process's contiguous share of a list, tuple, dict or tensor."""
+"""split_between_processes: this process's contiguous share of a list, tuple, tensor, array,
+dataset, or of a (nested) dict of those."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Set, ValuesView
 from typing import Any
+
+_HINT = "\nHINT: "
+
+
+def _refuse(value: Any) -> TypeError:
+    kind = type(value).__name__
+    if isinstance(value, Set):  # set, frozenset, and dict.keys()/.items() views
+        return TypeError(
+            f"split_between_processes cannot split a {kind}: it has no order that is the same "
+            "on every process (a set iterates in hash order, and string hashes are salted per "
+            "process), so the shares would overlap and miss items" + _HINT + "pass "
+            "sorted(inputs), or a list in an order every process builds alike."
+        )
+    if isinstance(value, ValuesView):
+        return TypeError(
+            f"split_between_processes cannot split a {kind} view: it cannot be sliced"
+            + _HINT + "pass list(d.values()) (the dict's order must be the same on every "
+            "process: build it alike, or split sorted(d.items()))."
+        )
+    if isinstance(value, Iterator):
+        return TypeError(
+            f"split_between_processes cannot split a {kind}: it has no length, can be read only "
+            "once, and may yield in another order on another process" + _HINT + "pass "
+            "list(inputs), or sorted(inputs) when its order may differ between processes."
+        )
+    return TypeError(
+        f"split_between_processes cannot split a {kind}" + _HINT + "pass a list, tuple, "
+        "torch.Tensor, numpy array, datasets.Dataset, or a (nested) dict of those: anything "
+        "with len() and slicing."
+    )
 
 
 def _length(value: Any) -> int:
+    if isinstance(value, (Set, ValuesView, Iterator)) or not hasattr(value, "__getitem__"):
+        raise _refuse(value)
     try:
         return len(value)
     except TypeError:
-        raise TypeError(
-            f"split_between_processes cannot split a {type(value).__name__}; pass a list, tuple, "
-            "dict of those, torch.Tensor, numpy array or anything with len() and slicing"
-        ) from None
+        raise _refuse(value) from None
 
 
 def share_bounds(length: int, index: int, count: int) -> tuple[int, int]:
@@ -42,44 +72,72 @@ def _pad(share: Any, last: Any, missing: int) -> Any:
     raise TypeError(f"cannot pad a {type(share).__name__} share; use a list, tuple or tensor")
 
 
-def _split_one(value: Any, index: int, count: int, apply_padding: bool) -> Any:
+def _split_one(value: Any, bounds: tuple[int, int], padded: int, apply_padding: bool) -> Any:
     length = _length(value)
-    start, end = share_bounds(length, index, count)
+    start, end = bounds
     if (
         hasattr(value, "select")
         and not isinstance(value, (list, tuple))
         and not hasattr(value, "shape")
     ):
-        share = value.select(range(start, end))  # datasets.Dataset and friends
+        rows = list(range(start, end))  # datasets.Dataset and friends
         if apply_padding and length:
-            padded = -(-length // count)
-            share = value.select(list(range(start, end)) + [length - 1] * (padded - (end - start)))
-        return share
+            rows += [length - 1] * (padded - (end - start))
+        return value.select(rows)
     share = value[start:end]
     if apply_padding and length:
-        share = _pad(share, value[length - 1], -(-length // count) - (end - start))
+        share = _pad(share, value[length - 1], padded - (end - start))
     return share
 
 
+def _lengths(inputs: Mapping, path: str, into: dict[str, int]) -> None:
+    """The length of every leaf of the nested mapping `inputs`, by its path (`['a']['x']`)."""
+    for key, value in inputs.items():
+        where = f"{path}[{key!r}]"
+        if isinstance(value, Mapping):
+            _lengths(value, where, into)
+        else:
+            into[where] = _length(value)
+
+
+def _rebuild(inputs: Mapping, split: Any) -> Any:
+    """`inputs` with every leaf split, each mapping in its own type where that type takes a
+    dict (an OrderedDict, a batch object with .to()), else a dict."""
+    shares = {
+        key: _rebuild(value, split) if isinstance(value, Mapping) else split(value)
+        for key, value in inputs.items()
+    }
+    try:
+        return type(inputs)(shares)  # type: ignore[call-arg]
+    except Exception:
+        return shares
+
+
 def split_inputs(inputs: Any, index: int, count: int, apply_padding: bool = False) -> Any:
-    """Process `index`'s share of `inputs` among `count` processes.
+    """Process `index`'s share of `inputs` among `count` processes, as Accelerate's
+    split_between_processes gives it.
 
     Shares are contiguous and differ in length by at most one, the first processes taking the
-    extra items. With `apply_padding`, shorter shares are filled up with the input's last element
-    so that every process holds `ceil(len / count)` items (drop them after gathering). A dict is
-    split value by value (into a mapping of its own type where that type takes a dict); its
-    values must all have the same length.
+    extra items; a process past the input's end gets an empty share. With `apply_padding`,
+    shorter shares are filled up with the input's last element so that every process holds
+    `ceil(len / count)` items (drop them after gathering). A dict, nested or not, is split leaf
+    by leaf with the same bounds; its leaves must all have the same length. Unordered inputs
+    (sets, iterators) are refused: their order may differ between processes.
     """
     if isinstance(inputs, Mapping):
-        lengths = {key: _length(value) for key, value in inputs.items()}
+        lengths: dict[str, int] = {}
+        _lengths(inputs, "", lengths)
         if len(set(lengths.values())) > 1:
+            shown = ", ".join(f"inputs{path}: {n}" for path, n in list(lengths.items())[:8])
             raise ValueError(
-                "split_between_processes needs every value of the dict to have the same length, "
-                f"got {lengths!r}"
+                "split_between_processes needs every value of the dict (nested dicts: every "
+                f"leaf) to have the same length, got {shown}"
             )
-        shares = {key: _split_one(v, index, count, apply_padding) for key, v in inputs.items()}
-        try:  # the input's own type (an OrderedDict, a batch object with .to()), where it can
-            return type(inputs)(shares)  # type: ignore[call-arg]
-        except Exception:
-            return shares
-    return _split_one(inputs, index, count, apply_padding)
+        length = next(iter(lengths.values()), 0)
+    else:
+        length = _length(inputs)
+    bounds = share_bounds(length, index, count)
+    padded = -(-length // count)
+    if isinstance(inputs, Mapping):
+        return _rebuild(inputs, lambda v: _split_one(v, bounds, padded, apply_padding))
+    return _split_one(inputs, bounds, padded, apply_padding)

@@ -494,7 +494,11 @@ class AcceleratorState:
                     "mpaccel trains with DistributedDataParallel (every rank holds the whole "
                     f"model): drop {name}= and prepare() the model as it is.",
                 )
-        requested = mixed_precision or _env.get("mixed_precision")
+        try:  # the variable's error names it; raised on every rank (PartialState.__init__)
+            requested = mixed_precision or _env.get_choice("mixed_precision")
+        except ConfigurationError as exc:
+            _discover(DEFAULT_TIMEOUT, exc)
+            raise
         if requested is not None:
             requested = str(getattr(requested, "value", requested)).lower()
             if requested not in _MIXED_PRECISION:

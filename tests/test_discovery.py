@@ -38,7 +38,8 @@ from mpaccel.environments.mpi import check_pmix_before_init
 from mpaccel.environments.slurm import (
     allocation_warnings,
     check_srun_layout,
-    expand_tasks_per_node,
+    runs_of,
+    runs_text,
 )
 from mpaccel.errors import CollectiveError, ConfigurationError, LaunchError
 from mpaccel.testing import reset_state
@@ -299,7 +300,7 @@ def test_a_variable_malformed_on_one_rank_fails_every_rank_alike(comm):
         discover(default_timeout=30, env=_env.snapshot(env))
     assert info.value.message == (
         f"on rank 0 ({socket.gethostname()}) only: environment variable "
-        "SLURM_JOB_NUM_NODES='x' is not an integer"
+        "SLURM_JOB_NUM_NODES='x' is not an integer from 1 to 2147483647"
     )
     assert comm.allgather(str(info.value)) == [str(info.value)] * size
 
@@ -324,21 +325,25 @@ def test_expand_nodelist():
         expand_nodelist("gpu[01-")
 
 
-def test_expand_tasks_per_node():
-    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
-    assert expand_tasks_per_node("4") == [4]
-    with pytest.raises(LaunchError, match="SLURM_TASKS_PER_NODE"):
-        expand_tasks_per_node("two")
+def test_tasks_per_node_are_runs_never_expanded():
+    env = {"SLURM_JOB_ID": "1", "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_JOB_CPUS_PER_NODE": "4"}
+    facts = SlurmFacts.from_env(_env.snapshot(env))
+    assert facts.tasks_per_node == ((2, 3), (1, 1)) and facts.job_cpus_per_node == ((4, 1),)
+    assert runs_text(facts.tasks_per_node) == "2(x3),1"
+    assert runs_of([2, 2, 2, 1]) == ((2, 3), (1, 1)) and runs_text(runs_of([])) == ""
 
 
 def test_unparseable_tasks_per_node_names_the_variable_read():
     # srun sets both; the step's is the one read, and the one to name
     env = {"SLURM_JOB_ID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x", "SLURM_TASKS_PER_NODE": "2"}
-    with pytest.raises(LaunchError) as info:
+    with pytest.raises(ConfigurationError) as info:
         SlurmFacts.from_env(_env.snapshot(env))
-    assert info.value.message == "cannot parse SLURM_STEP_TASKS_PER_NODE='2(x' (part '2(x')"
-    assert info.value.hint.startswith("SLURM_STEP_TASKS_PER_NODE is set by Slurm")
-    with pytest.raises(LaunchError, match=r"^cannot parse SLURM_JOB_CPUS_PER_NODE='3,x'"):
+    assert info.value.message.startswith(
+        "environment variable SLURM_STEP_TASKS_PER_NODE='2(x' is not Slurm's per-node counts "
+        "such as '2(x3),1'"
+    )
+    assert info.value.hint.startswith("fix or unset SLURM_STEP_TASKS_PER_NODE; launchers and")
+    with pytest.raises(ConfigurationError, match=r"SLURM_JOB_CPUS_PER_NODE='3,x' is not"):
         SlurmFacts.from_env(_env.snapshot({"SLURM_JOB_ID": "1", "SLURM_JOB_CPUS_PER_NODE": "3,x"}))
 
 
@@ -391,7 +396,8 @@ def test_ntasks_per_node_mismatch():
 
 def test_tasks_per_node_disagrees_with_mpi():
     facts, infos = srun_facts(2, 2, SLURM_TASKS_PER_NODE="3,1")
-    with pytest.raises(LaunchError, match=r"placed \[3, 1\] task\(s\) per node \(SLURM_TASKS_"):
+    with pytest.raises(LaunchError, match=r"placed 3,1 task\(s\) per node \(SLURM_TASKS_PER_NODE\) "
+                       r"but MPI found 2\(x2\)\n"):
         check_srun_layout(facts, infos)
     facts, infos = srun_facts(2, 2, SLURM_STEP_TASKS_PER_NODE="3,1")
     with pytest.raises(LaunchError, match=r"per node \(SLURM_STEP_TASKS_PER_NODE\) but MPI"):
@@ -467,14 +473,14 @@ def _notes(env, world, nodes):
             hydra_rank(0, 4, {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_CPUS_PER_NODE": "2"}),
             4, 1,
             "MPICH hydra mpiexec started 4 rank(s), but this Slurm job holds 2 CPU(s) "
-            "(SLURM_JOB_CPUS_PER_NODE: [2] per node), fewer than 4 rank(s): the ranks share CPUs.",
+            "(SLURM_JOB_CPUS_PER_NODE=2), fewer than 4 rank(s): the ranks share CPUs.",
         ),
         (
             "salloc -N1 -n2 -c2 mpiexec -n 3",
             hydra_rank(0, 3, {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_CPUS_PER_NODE": "4",
                               "SLURM_CPUS_PER_TASK": "2"}),
             3, 1,
-            "holds 4 CPU(s) (SLURM_JOB_CPUS_PER_NODE: [4] per node), fewer than 3 rank(s) x 2 "
+            "holds 4 CPU(s) (SLURM_JOB_CPUS_PER_NODE=4), fewer than 3 rank(s) x 2 "
             "CPUs (SLURM_CPUS_PER_TASK=2)",
         ),
         (

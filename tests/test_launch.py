@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -495,15 +496,26 @@ def _plain_python(tmp_path, extra_env, body="from mpaccel import PartialState; P
     )
 
 
+_SECONDS = "a number of seconds > 0 and <= 31536000"
+
+
 @pytest.mark.parametrize(
-    ("variable", "value", "kind"),
-    [("SLURM_LOCALID", "abc", "an integer"), ("MPACCEL_TIMEOUT", "3x", "a number")],
+    ("variable", "value", "kind", "body"),
+    [
+        ("SLURM_LOCALID", "abc", "an integer from 0 to 2147483647", "PartialState()"),
+        ("MPACCEL_TIMEOUT", "3x", _SECONDS, "PartialState()"),
+        ("MPACCEL_TIMEOUT", "nan", _SECONDS, "PartialState()"),
+        ("SLURM_PROCID", "-1", "an integer from 0 to 2147483647", "PartialState()"),
+        ("MPACCEL_MIXED_PRECISION", "fp32", "one of 'no', 'fp16', 'bf16', 'fp8' (in any case)",
+         "Accelerator()"),
+    ],
 )
-def test_a_malformed_variable_on_one_rank_fails_every_rank(tmp_path, variable, value, kind):
+def test_a_malformed_variable_on_one_rank_fails_every_rank(tmp_path, variable, value, kind,
+                                                           body):
     # Raised before MPI_Init on rank 1 alone, it left rank 0 waiting in MPI_Init until the
     # job's timeout (measured: hydra does not end the job when a rank exits before MPI_Init).
     venv = pathlib.Path(sys.prefix) / "bin"
-    body = "from mpaccel import PartialState; PartialState()"
+    body = f"from mpaccel import Accelerator, PartialState; {body}"
     command = [str(venv / "mpiexec"), "-n", "1", sys.executable, "-c", body, ":",
                "-n", "1", "-env", "SLURM_JOB_ID", "5", "-env", variable, value,
                sys.executable, "-c", body]
@@ -513,6 +525,51 @@ def test_a_malformed_variable_on_one_rank_fails_every_rank(tmp_path, variable, v
     said = "ConfigurationError: on rank 1 ("
     assert result.stderr.count(said) == 2, result.stderr
     assert f"only: environment variable {variable}={value!r} is not {kind}" in result.stderr
+
+
+def test_mpaccel_env_reports_a_variable_bad_on_one_rank_on_every_rank(tmp_path):
+    # The rank with the bad value skipped discovery while the others waited in it.
+    venv = pathlib.Path(sys.prefix) / "bin"
+    command = [str(venv / "mpiexec"), "-n", "1", sys.executable, "-m", "mpaccel", "env", ":",
+               "-n", "1", "-env", "MPACCEL_TIMEOUT", "nan", sys.executable, "-m", "mpaccel",
+               "env"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                            env=_env.child_environment())
+    assert result.returncode == 1, result.stdout + result.stderr
+    problem = result.stdout.split("launch problem\n--------------\n")[1].split("\n\n")[0]
+    assert problem.startswith(f"on rank 1 ({socket.gethostname()}) only: environment variable "
+                              "MPACCEL_TIMEOUT='nan' is not a number of seconds"), problem
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("MPACCEL_TIMEOUT", "-5"), ("MPACCEL_TIMEOUT", "1e300"), ("SLURM_NTASKS", "0"),
+     ("MPACCEL_MPI_PROGRESS", "nan"), ("SLURM_TASKS_PER_NODE", "2(x200000000)")],
+)
+def test_a_bad_variable_on_every_rank_is_the_same_error_everywhere(tmp_path, variable, value):
+    # MPACCEL_TIMEOUT=-5 ended in a misleading rendezvous error at n=2, 1e300 in an
+    # OverflowError; SLURM_NTASKS=0 and MPACCEL_MPI_PROGRESS=nan passed silently; the per-node
+    # counts took 3.2 GB before start-up.
+    script = _script(tmp_path, "from mpaccel import PartialState; PartialState()")
+    run = run_mpi([script], n=2, timeout=120, env={variable: value, "SLURM_JOB_ID": "5"})
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    said = f"ConfigurationError: environment variable {variable}={value!r} is not "
+    assert all(said in err for err in run.stderr), run.describe()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "body"),
+    [("MPACCEL_TIMEOUT", "-5", "PartialState()"), ("MPACCEL_TIMEOUT", "inf", "PartialState()"),
+     ("SLURM_PROCID", "-1", "PartialState()"),
+     ("MPACCEL_MIXED_PRECISION", "fp32", "Accelerator()")],
+)
+def test_a_bad_variable_in_a_plain_python_run_is_the_same_error(tmp_path, variable, value, body):
+    # -5 was accepted at size 1; inf ended in an OverflowError; fp32 said "mixed_precision=None"
+    run = _plain_python(tmp_path, {variable: value, "SLURM_JOB_ID": "5"},
+                        f"from mpaccel import Accelerator, PartialState; {body}")
+    assert run.returncode == 1, run.stderr
+    said = f"ConfigurationError: environment variable {variable}={value!r} is not "
+    assert said in run.stderr and "HINT: " in run.stderr, run.stderr
 
 
 def test_silent_singleton_from_a_foreign_launcher(tmp_path):

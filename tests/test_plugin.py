@@ -726,7 +726,7 @@ def test_a_deadline_of_zero_is_none_and_a_bad_one_a_usage_error(tmp_path):
         (["--mpi-timeout=-3"], None, "--mpi-timeout: -3.0 is not a time in seconds"),
         (["-o", "mpi_timeout=abc"], None, "mpi_timeout: 'abc' is not a time in seconds"),
         ([], {"MPACCEL_TEST_TIMEOUT": "soon"},
-         "MPACCEL_TEST_TIMEOUT: 'soon' is not a time in seconds"),
+         "environment variable MPACCEL_TEST_TIMEOUT='soon' is not a number of seconds >= 0"),
     ):
         run = _run_pytest(tmp_path, "def test_a():\n    pass\n", 2, *args, timeout=120, env=env)
         assert run.returncodes == (4, 4), run.describe()

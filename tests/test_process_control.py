@@ -503,6 +503,76 @@ def test_split_tensors_arrays_and_dicts(state, comm):
         assert empty == []
 
 
+def test_split_nested_dicts_leaf_by_leaf(state, comm):
+    # Accelerate recurses into nested dicts; here they ended in "unhashable type: 'slice'"
+    n, r = comm.size, comm.rank
+    data = {"a": {"x": list(range(8)), "y": torch.arange(8)}, "b": tuple("abcdefgh")}
+    start, end = share_bounds(8, r, n)
+    with state.split_between_processes(data) as mine:
+        assert mine["a"]["x"] == list(range(8))[start:end]
+        assert mine["a"]["y"].tolist() == list(range(start, end))
+        assert mine["b"] == tuple("abcdefgh")[start:end]
+    assert data["a"]["x"] == list(range(8))  # the input is left as it was
+    per = -(-5 // n)
+    with state.split_between_processes({"o": {"i": list(range(5))}}, apply_padding=True) as mine:
+        start, end = share_bounds(5, r, n)
+        assert mine == {"o": {"i": list(range(start, end)) + [4] * (per - (end - start))}}
+    with pytest.raises(ValueError, match=r"every leaf\) to have the same length, got "
+                                         r"inputs\['a'\]\['x'\]: 2, inputs\['b'\]: 3"):
+        with state.split_between_processes({"a": {"x": [1, 2]}, "b": [1, 2, 3]}):
+            pass
+    with state.split_between_processes({}) as nothing:
+        assert nothing == {}
+
+
+@pytest.mark.parametrize(
+    ("make", "said", "use"),
+    [
+        (lambda: {"b", "a", "c"}, "cannot split a set: it has no order that is the same on every "
+         "process", "pass sorted(inputs)"),
+        (lambda: frozenset("abc"), "cannot split a frozenset: it has no order", "sorted(inputs)"),
+        (lambda: {"a": 1}.keys(), "cannot split a dict_keys: it has no order", "sorted(inputs)"),
+        (lambda: {"a": 1}.items(), "cannot split a dict_items: it has no order", "sorted(inputs)"),
+        (lambda: {"a": 1}.values(), "cannot split a dict_values view: it cannot be sliced",
+         "pass list(d.values())"),
+        (lambda: (x for x in "abc"), "cannot split a generator: it has no length, can be read "
+         "only once, and may yield in another order", "pass list(inputs), or sorted(inputs)"),
+        (lambda: {"k": {"a", "b"}}, "cannot split a set: it has no order", "sorted(inputs)"),
+        (lambda: 42, "cannot split a int\nHINT: pass a list, tuple", "(nested) dict of those"),
+    ],
+    ids=["set", "frozenset", "keys", "items", "values", "generator", "set-in-dict", "int"],
+)
+def test_split_refuses_unordered_inputs_saying_why_and_what_to_use(state, make, said, use):
+    # 'set' object is not subscriptable before: now why (order differs between processes) and
+    # what to pass instead, at every size alike (Accelerate hands every rank the whole set)
+    with pytest.raises(TypeError) as info:
+        with state.split_between_processes(make()):
+            pass
+    message = str(info.value)
+    assert said in message and "\nHINT: " in message and use in message
+
+
+# What Accelerate 1.15 gives at n=4 for 2 rows (run under `accelerate launch --multi_gpu
+# --num_processes 4` on CPU): empty shares past the input's end, the last row with padding.
+@pytest.mark.mpi(size=4)
+@pytest.mark.parametrize("apply_padding", [False, True])
+def test_split_fewer_rows_than_ranks_as_accelerate(state, comm, apply_padding):
+    r = comm.rank
+    rows = [[0, 1], [2, 3]][r] if r < 2 else ([[2, 3]] if apply_padding else [])
+    rows = [rows] if r < 2 else rows
+    with state.split_between_processes(torch.tensor([[0, 1], [2, 3]]),
+                                       apply_padding=apply_padding) as mine:
+        assert mine.tolist() == rows and mine.shape[1:] == (2,)
+    items = [10, 11][r : r + 1] if r < 2 else ([11] if apply_padding else [])
+    with state.split_between_processes([10, 11], apply_padding=apply_padding) as mine:
+        assert mine == items
+    with state.split_between_processes((10, 11), apply_padding=apply_padding) as mine:
+        assert mine == tuple(items)  # (Accelerate's tuples fail with padding: a TypeError)
+    with state.split_between_processes({"a": [1, 2], "c": torch.tensor([1, 2])},
+                                       apply_padding=apply_padding) as mine:
+        assert mine["a"] == [x - 9 for x in items] and mine["c"].tolist() == mine["a"]
+
+
 def test_destroy_process_group_is_safe(comm):
     AcceleratorState._reset_state(True)
     state = PartialState()

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from .. import _env
-from ..errors import ConfigurationError
 
 PIECE = 64 << 20  # bytes per pwrite/preadv call and per writeback request
 WRITEBACK_MIN = 1 << 20  # smaller pieces are left to the kernel's own writeback (merged)
@@ -47,14 +46,9 @@ def io_threads() -> int:
     """Threads per process for checkpoint data I/O: MPACCEL_IO_THREADS, else this process's
     share of the node's cores as torch uses it (mpaccel sets torch's threads to cores / ranks
     per node), at most 4. Measured here: 2 threads at 1 rank per 2 cores, 1 thread at 4."""
-    threads = _env.get_int("io_threads")
+    threads = _env.get_int("io_threads")  # the table takes 1 to 1024
     if threads is None:
         return max(1, min(4, torch.get_num_threads()))
-    if threads < 1:
-        raise ConfigurationError(
-            f"MPACCEL_IO_THREADS={threads} must be at least 1",
-            "unset it to follow torch's thread count.",
-        )
     return threads
 
 

@@ -41,7 +41,7 @@ class OpenMPILauncher(Launcher):
 
     @classmethod
     def detect(cls, env):
-        return _env.get("ompi_world_size", env) is not None
+        return _env.is_set("ompi_world_size", env)
 
     def expected_world_size(self):
         return _env.get_int("ompi_world_size", self.env)
@@ -73,7 +73,7 @@ class HydraLauncher(Launcher):
 
     @classmethod
     def detect(cls, env):
-        return _env.get("hydra_local_rank", env) is not None
+        return _env.is_set("hydra_local_rank", env)
 
     def expected_world_size(self):
         return _env.get_int("pmi_size", self.env)
@@ -105,7 +105,7 @@ class PMILauncher(Launcher):
 
     @classmethod
     def detect(cls, env):
-        return _env.get("pmi_size", env) is not None or _env.get("mvapich_world_size", env)
+        return _env.is_set("pmi_size", env) or _env.is_set("mvapich_world_size", env)
 
     def expected_world_size(self):
         return _env.get_int("pmi_size", self.env) or _env.get_int("mvapich_world_size", self.env)

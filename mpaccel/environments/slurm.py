@@ -7,7 +7,6 @@ raises the same error without another collective.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,28 +38,31 @@ def expand_nodelist(expression: str | None) -> list[str]:
         ) from exc
 
 
-_TASKS_PER_NODE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+Runs = tuple[tuple[int, int], ...]  # Slurm's `2(x3),1` as ((2, 3), (1, 1)): never expanded
 
 
-def expand_tasks_per_node(
-    expression: str | None, variable: str = "SLURM_TASKS_PER_NODE"
-) -> list[int]:
-    """Slurm's compressed `2(x3),1` -> [2, 2, 2, 1] (also the format of SLURM_JOB_CPUS_PER_NODE).
+def runs_text(runs: Runs) -> str:
+    """((2, 3), (1, 1)) -> '2(x3),1', Slurm's own way of writing per-node counts."""
+    return ",".join(f"{count}(x{repeat})" if repeat > 1 else str(count) for count, repeat in runs)
 
-    `variable` is the one `expression` was read from, for the error message.
-    """
-    if not expression:
-        return []
-    out: list[int] = []
-    for part in expression.split(","):
-        match = _TASKS_PER_NODE.match(part.strip())
-        if match is None:
-            raise LaunchError(
-                f"cannot parse {variable}={expression!r} (part {part!r})",
-                f"{variable} is set by Slurm; unset any hand-made value.",
-            )
-        out.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return out
+
+def runs_of(counts: Sequence[int]) -> Runs:
+    """[2, 2, 2, 1] -> ((2, 3), (1, 1))."""
+    runs: list[tuple[int, int]] = []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1] = (count, runs[-1][1] + 1)
+        else:
+            runs.append((count, 1))
+    return tuple(runs)
+
+
+def _tally(runs: Runs) -> dict[int, int]:
+    """How many nodes have each count: the order-free comparison of two per-node layouts."""
+    nodes: dict[int, int] = {}
+    for count, repeat in runs:
+        nodes[count] = nodes.get(count, 0) + repeat
+    return nodes
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,9 @@ class SlurmFacts:
     step_num_nodes: int | None = None
     job_num_nodes: int | None = None
     ntasks_per_node: int | None = None
-    tasks_per_node: tuple[int, ...] = ()
+    tasks_per_node: Runs = ()
     tasks_per_node_variable: str | None = None  # SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE
-    job_cpus_per_node: tuple[int, ...] = ()
+    job_cpus_per_node: Runs = ()
     cpus_per_task: int | None = None
     procid: int | None = None
     localid: int | None = None
@@ -96,13 +98,6 @@ class SlurmFacts:
         def integer(name: str) -> int | None:
             return _env.get_int(name, env)
 
-        def per_node(name: str) -> tuple[tuple[int, ...], str | None]:
-            variable = _env.source_name(name, env)
-            if variable is None:
-                return (), None
-            return tuple(expand_tasks_per_node(_env.get(name, env), variable)), variable
-
-        tasks_per_node, tasks_per_node_variable = per_node("slurm_tasks_per_node")
         return cls(
             job_id=_env.get("slurm_job_id", env),
             array_job_id=_env.get("slurm_array_job_id", env),
@@ -115,9 +110,9 @@ class SlurmFacts:
             step_num_nodes=integer("slurm_step_num_nodes"),
             job_num_nodes=integer("slurm_job_num_nodes"),
             ntasks_per_node=integer("slurm_ntasks_per_node"),
-            tasks_per_node=tasks_per_node,
-            tasks_per_node_variable=tasks_per_node_variable,
-            job_cpus_per_node=per_node("slurm_job_cpus_per_node")[0],
+            tasks_per_node=_env.get_runs("slurm_tasks_per_node", env),
+            tasks_per_node_variable=_env.source_name("slurm_tasks_per_node", env),
+            job_cpus_per_node=_env.get_runs("slurm_job_cpus_per_node", env),
             cpus_per_task=integer("slurm_cpus_per_task"),
             procid=integer("slurm_procid"),
             localid=integer("slurm_localid"),
@@ -163,8 +158,7 @@ class SrunLauncher(Launcher):
     @classmethod
     def detect(cls, env):
         return (
-            _env.get("slurm_step_num_tasks", env) is not None
-            and _env.get("slurm_procid", env) is not None
+            _env.is_set("slurm_step_num_tasks", env) and _env.is_set("slurm_procid", env)
         )
 
     def __init__(self, env: Snapshot) -> None:
@@ -204,7 +198,7 @@ class SlurmBatchShell(Launcher):
 
     @classmethod
     def detect(cls, env):
-        return _env.get("slurm_job_id", env) is not None
+        return _env.is_set("slurm_job_id", env)
 
     def expected_world_size(self):
         return None
@@ -241,10 +235,10 @@ def check_srun_layout(facts: Sequence[SlurmFacts], infos: Sequence[ProcessInfo])
             "the SLURM_* variables were probably inherited from another step; launch the "
             "ranks with one srun directly. " + SKIP_HINT,
         )
-    if step.tasks_per_node and sorted(step.tasks_per_node) != sorted(observed):
+    if step.tasks_per_node and _tally(step.tasks_per_node) != _tally(runs_of(observed)):
         raise LaunchError(
-            f"Slurm placed {list(step.tasks_per_node)} task(s) per node "
-            f"({step.tasks_per_node_variable}) but MPI found {observed}",
+            f"Slurm placed {runs_text(step.tasks_per_node)} task(s) per node "
+            f"({step.tasks_per_node_variable}) but MPI found {runs_text(runs_of(observed))}",
             "the SLURM_* variables do not describe this step; launch the ranks with one srun "
             "directly. " + SKIP_HINT,
         )
@@ -328,7 +322,7 @@ def allocation_warnings(
             f"{world} MPI process(es) run on {nodes} of them: {how}, and the other node(s) "
             f"stay idle. {WHOLE_ALLOCATION_HINT}"
         )
-    cpus = sum(facts.job_cpus_per_node)
+    cpus = sum(count * repeat for count, repeat in facts.job_cpus_per_node)
     per_task = facts.cpus_per_task or 1
     if tasks is not None and world > tasks[0]:
         count, source, exact = tasks
@@ -342,8 +336,8 @@ def allocation_warnings(
         if facts.cpus_per_task:
             need += f" x {per_task} CPUs (SLURM_CPUS_PER_TASK={facts.cpus_per_task})"
         out.append(
-            f"{how}, but this Slurm job holds {cpus} CPU(s) (SLURM_JOB_CPUS_PER_NODE: "
-            f"{list(facts.job_cpus_per_node)} per node), fewer than {need}: the ranks share "
+            f"{how}, but this Slurm job holds {cpus} CPU(s) (SLURM_JOB_CPUS_PER_NODE="
+            f"{runs_text(facts.job_cpus_per_node)}), fewer than {need}: the ranks share "
             f"CPUs. {_more_tasks_hint(world)}"
         )
     return out

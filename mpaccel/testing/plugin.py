@@ -56,11 +56,16 @@ def _discover_job() -> Discovery:
     (reset_state keeps discovery, as does AcceleratorState._reset_state). Its launch checks
     (silent singletons: the launcher says N, MPI sees 1) become a usage error on every rank."""
     from .. import state
-    from ..errors import LaunchError
+    from ..errors import ConfigurationError, LaunchError
 
+    timeout, problem = state.DEFAULT_TIMEOUT, None
     try:
-        return state._discover(_env.get_float("timeout") or state.DEFAULT_TIMEOUT)
-    except LaunchError as exc:
+        timeout = _env.get_float("timeout") or timeout
+    except ConfigurationError as exc:  # raised on every rank by discovery, naming this one
+        problem = exc
+    try:
+        return state._discover(timeout, problem)
+    except (LaunchError, ConfigurationError) as exc:
         # The same error on every rank; a real world prints it once, from rank 0, while every
         # silent singleton is a rank 0 of its own and prints it.
         raise pytest.UsageError(*([str(exc)] if _world_rank() == 0 else [])) from exc

@@ -10,7 +10,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from .. import _env
 
@@ -37,11 +37,14 @@ def config_timeout(config: pytest.Config) -> float:
     for value, source in (
         (config.getoption("--mpi-timeout"), "--mpi-timeout"),
         (config.getini("mpi_timeout"), "the ini option mpi_timeout"),
-        (_env.get("test_timeout"), _env.source_name("test_timeout") or ""),
     ):
         if value not in (None, ""):
             return _seconds(value, source)
-    return DEFAULT_TIMEOUT
+    try:
+        seconds = _env.get_float("test_timeout")
+    except ValueError as exc:  # the table's ConfigurationError, naming the variable
+        _usage_error(str(exc))
+    return DEFAULT_TIMEOUT if seconds is None else seconds
 
 
 def _seconds(value: object, source: str) -> float:
@@ -50,14 +53,18 @@ def _seconds(value: object, source: str) -> float:
     except (TypeError, ValueError):
         seconds = math.nan
     if math.isnan(seconds) or seconds < 0:
-        import pytest
-
-        from .plugin import _world_rank
-
-        text = (f"{source}: {value!r} is not a time in seconds "
-                "(a number >= 0; 0 turns the deadline off)")
-        raise pytest.UsageError(*([text] if _world_rank() == 0 else []))
+        _usage_error(f"{source}: {value!r} is not a time in seconds "
+                     "(a number >= 0; 0 turns the deadline off)")
     return seconds
+
+
+def _usage_error(text: str) -> NoReturn:
+    """pytest's usage error, its text printed by rank 0 alone."""
+    import pytest
+
+    from .plugin import _world_rank
+
+    raise pytest.UsageError(*([text] if _world_rank() == 0 else []))
 
 
 class Watchdog:

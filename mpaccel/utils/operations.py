@@ -36,9 +36,8 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
 
 
 def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
-    """Rank `from_process`'s list, in place, on every rank (over MPI)."""
-    object_list[:] = _comm().bcast(list(object_list), root=from_process, what="broadcast_object")
-    return object_list
+    """Rank `from_process`'s list, in place, on every rank (over MPI); see ops."""
+    return ops.broadcast_object_list(_comm(), object_list, from_process)
 
 
 def pad_across_processes(
