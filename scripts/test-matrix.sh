@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: lint, then the same tests at size 1 and under a real
-# mpiexec -n 1, -n 2 and -n 4 (MPICH from the pip wheel), then Open MPI runs at -n 2 and -n 4. Every stage has a
-# timeout, so a deadlock fails fast. pytest's exit code 5 ("no tests ran") is reported as its own
-# failure, never as a pass. Ends with one summary line: "ci: N passed, N failed, N skipped".
+# mpiexec -n 1, -n 2 and -n 4 (MPICH from the pip wheel), then Open MPI runs at -n 2 and -n 4.
+# Markers alone decide which stage runs a test (pyproject.toml; docs/testing.md, "Which stage
+# runs what"): `launches` only in the plain size-1 pass, `openmpi` also under Open MPI. Every
+# stage has a timeout, so a deadlock fails fast. pytest's exit code 5 ("no tests ran") is
+# reported as its own failure, never as a pass. Ends with one summary line: "ci: N passed, N
+# failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 MPIEXEC=$VENV/bin/mpiexec
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-1200}
+# mpiexec cannot portably be nested inside a rank, and a python started by a test inherits the
+# launcher's variables: tests that start jobs of their own run only in the size-1 pass.
+UNDER_A_LAUNCHER="not launches"
 REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
 status=0
@@ -44,25 +50,20 @@ if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
   run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
 fi
 pytest_stage size-1 -- tests
-# mpiexec -n 1: a real MPI world of one (not a singleton); the suites that launch jobs of their
-# own are left to the size-1 pass, since mpiexec cannot portably be nested inside a rank.
-pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- tests/test_process_control.py tests/test_training.py \
-  tests/test_checkpoint.py tests/test_checkpoint_sink.py tests/test_checkpoint_format.py \
-  tests/test_data.py tests/test_device.py \
-  tests/test_spec_examples.py tests/test_discovery.py tests/test_env.py
-pytest_stage mpich-n2 "$MPIEXEC" -n 2 -- tests
-pytest_stage mpich-n4 "$MPIEXEC" -n 4 -- tests
+# mpiexec -n 1: a real MPI world of one (not a singleton).
+pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- -m "$UNDER_A_LAUNCHER" tests
+pytest_stage mpich-n2 "$MPIEXEC" -n 2 -- -m "$UNDER_A_LAUNCHER" tests
+pytest_stage mpich-n4 "$MPIEXEC" -n 4 -- -m "$UNDER_A_LAUNCHER" tests
 if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
   if [ -x "$VENV-openmpi/bin/mpiexec" ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
     run_stage openmpi-example "$VENV-openmpi/bin/mpiexec" --oversubscribe -n 4 \
       "$VENV-openmpi/bin/python" examples/process_control.py
     PY=$VENV-openmpi/bin/python pytest_stage openmpi-n2 "$VENV-openmpi/bin/mpiexec" \
-      --oversubscribe -n 2 -- tests/test_process_control.py tests/test_training.py \
-      tests/test_checkpoint.py
+      --oversubscribe -n 2 -- -m "openmpi and $UNDER_A_LAUNCHER" tests
     # 4 ranks on 2 cores: where Open MPI 5's own OMPI_COMM_WORLD_LOCAL_RANK came out 0,2,1,3
     PY=$VENV-openmpi/bin/python pytest_stage openmpi-n4 "$VENV-openmpi/bin/mpiexec" \
-      --oversubscribe -n 4 -- tests/test_process_control.py tests/test_device.py
+      --oversubscribe -n 4 -- -m "openmpi and $UNDER_A_LAUNCHER" tests
   fi
 fi
 

@@ -10,7 +10,7 @@ import torch
 
 from mpaccel import Accelerator, AcceleratorState
 
-pytestmark = pytest.mark.mpi(size=1)
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 
 
 def _cli(*args):

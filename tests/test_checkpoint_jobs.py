@@ -18,7 +18,7 @@ from mpaccel.checkpoint import CheckpointReader, latest_checkpoint
 from mpaccel.testing import run_mpi
 from mpaccel.testing.launch import kill_ranks, mpiexec_command, rank_pids, wait_gone
 
-pytestmark = pytest.mark.mpi(size=1)
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 
 COMMON = """
 import sys, torch
