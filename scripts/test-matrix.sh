@@ -43,7 +43,7 @@ pytest_stage() {  # name, launcher words..., -- pytest args...
   local launcher=()
   while [ "$1" != "--" ]; do launcher+=("$1"); shift; done; shift
   run_stage "$name" "${launcher[@]}" "$PY" -m pytest -q -p no:cacheprovider \
-    --junitxml="$REPORTS/$name.xml" "$@"
+    --junitxml="$REPORTS/$name.xml" --durations=40 "$@"
 }
 
 background=()
