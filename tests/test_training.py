@@ -645,42 +645,6 @@ def test_clip_grad_value_and_save(comm, mpi_tmp_path):
     assert a is None and b is None and acc._models == []
 
 
-def test_get_logger(comm, caplog):
-    import logging
-
-    from mpaccel.logging import get_logger
-
-    _fresh()
-    logger = get_logger("mpaccel.test", log_level="INFO")
-    with caplog.at_level(logging.INFO, logger="mpaccel.test"):
-        logger.info("main only")
-        logger.info("everyone", main_process_only=False)
-    messages = [rec.getMessage() for rec in caplog.records]
-    assert messages == (["main only", "everyone"] if comm.rank == 0 else ["everyone"])
-
-
-def test_logger_warning_once_and_the_level_from_the_environment(comm, caplog, monkeypatch):
-    import logging
-
-    from mpaccel.logging import get_logger
-
-    _fresh()
-    root_level = logging.getLogger().level
-    try:
-        monkeypatch.setenv("ACCELERATE_LOG_LEVEL", "debug")
-        logger = get_logger("mpaccel.test.env")
-        assert logger.logger.level == logging.DEBUG  # as Accelerate's get_logger
-        monkeypatch.setenv("MPACCEL_LOG_LEVEL", "error")  # mpaccel's own name comes first
-        assert get_logger("mpaccel.test.env2").logger.level == logging.ERROR
-        with caplog.at_level(logging.WARNING, logger="mpaccel.test.env"):
-            for _ in range(3):
-                logger.warning_once("said once", main_process_only=False)
-            logger.warning_once("another", main_process_only=False)
-        assert [r.getMessage() for r in caplog.records] == ["said once", "another"]
-    finally:
-        logging.getLogger().setLevel(root_level)
-
-
 @pytest.mark.parametrize("set_up_again", [True, False])
 def test_a_paused_pass_collected_after_a_reset_leaves_the_new_state_alone(comm, set_up_again):
     # A peeked pass ends only when its iterator is collected, possibly after reset_state: it
