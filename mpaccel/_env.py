@@ -65,6 +65,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "log_level": ("MPACCEL_LOG_LEVEL", "ACCELERATE_LOG_LEVEL"),
     "io_threads": ("MPACCEL_IO_THREADS",),
     "mpi_progress": ("MPACCEL_MPI_PROGRESS",),
+    "progress": ("MPACCEL_PROGRESS",),
     "test_timeout": ("MPACCEL_TEST_TIMEOUT",),
     "mpiexec": ("MPACCEL_MPIEXEC",),
     "ci": ("CI",),
