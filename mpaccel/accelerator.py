@@ -412,8 +412,11 @@ class Accelerator:
         config: dict[str, Any] | None = None,
         init_kwargs: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        """Start the trackers of `log_with` on the main process and record `config` there.
-        Not collective; call it on every rank (the others do nothing)."""
+        """Start the trackers of `log_with` on the main process and record `config` there
+        (hyperparameters); `init_kwargs={"wandb": {...}}` go to each tracker's constructor.
+        Not collective. Called on every rank, each checks that the trackers writing files
+        have a logging directory, so that all raise alike; the others then do nothing."""
+        tracking.check_logging_dir(self.log_with, self.logging_dir)
         if not self.is_main_process:
             return
         self.trackers = tracking.start(
@@ -424,12 +427,13 @@ class Accelerator:
                 tracker.store_init_configuration(config)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called `name` (its underlying object if `unwrap`); on the other
-        processes, a blank tracker whose methods do nothing."""
+        """The running tracker called `name` (its library's object if `unwrap`). Where no
+        tracker runs (the other processes, or none started), a blank tracker whose methods do
+        nothing, as in Accelerate, so the same code runs on every rank."""
         for tracker in self.trackers:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
-        if self.is_main_process:
+        if self.trackers:
             raise ConfigurationError(
                 f"no tracker named {name!r} (running: {[t.name for t in self.trackers]})",
                 "pass it to Accelerator(log_with=...) and call init_trackers() first.",
