@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -11,6 +12,66 @@ import torch
 from mpaccel import Accelerator, AcceleratorState
 
 pytestmark = pytest.mark.mpi(size=1)
+DEADLINE = 30  # seconds any command may take
+
+
+# `mpaccel ckpt ...` run by a driver process that imports mpaccel once and forks a child per
+# command (as `python -m mpaccel ckpt ...` would run it: mpaccel.cli.main, its exit code, its
+# stdout and stderr, an uncaught exception printed as Python does), killed after DEADLINE.
+_DRIVER = r"""
+import json, os, sys, tempfile, time, traceback
+from mpaccel.cli import main
+for line in sys.stdin:
+    argv, deadline = json.loads(line)
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    end = time.monotonic() + deadline
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done or time.monotonic() > end:
+            break
+        time.sleep(0.01)
+    hung = not done
+    if hung:
+        os.kill(pid, 9)
+        _, status, usage = os.wait4(pid, 0)
+    out.seek(0)
+    err.seek(0)
+    reply = [os.waitstatus_to_exitcode(status), out.read(), err.read(), usage.ru_maxrss << 10, hung]
+    print(json.dumps(reply), flush=True)
+"""
+
+
+class Commands:
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", _DRIVER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def run(self, *args: str) -> tuple[int, str, str, int]:
+        """(exit code, stdout, stderr, peak memory in bytes) of `mpaccel ckpt ARGS`."""
+        self.proc.stdin.write(json.dumps([["ckpt", *args], DEADLINE]) + "\n")
+        self.proc.stdin.flush()
+        code, out, err, peak, hung = json.loads(self.proc.stdout.readline())
+        assert not hung, f"mpaccel ckpt {' '.join(args)} hangs"
+        return code, out, err, peak
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def _cli(*args):
@@ -148,3 +209,4 @@ def test_ls_and_export_of_tied_weights(tmp_path):
     fresh.load_state_dict(loaded)
     assert torch.equal(fresh.head.weight, model.head.weight)
     AcceleratorState._reset_state(True)
+

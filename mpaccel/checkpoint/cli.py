@@ -14,8 +14,10 @@ STEMS = ("state", "model")
 
 
 def _open(directory: str, stem: str | None) -> CheckpointReader:
+    # lexists: an index that is a link or a FIFO is there, and CheckpointReader says what is
+    # wrong with it
     stems = [stem] if stem else [s for s in STEMS
-                                 if os.path.isfile(os.path.join(directory, f"{s}.index.json"))]
+                                 if os.path.lexists(os.path.join(directory, f"{s}.index.json"))]
     if not stems:
         raise CheckpointError(
             f"{directory!r} holds no committed checkpoint (no state.index.json or "
@@ -37,8 +39,9 @@ def _size(nbytes: int) -> str:
 def run_ls(args: argparse.Namespace) -> int:
     with _open(args.directory, args.stem) as reader:
         index = reader.index
-        print(f"{args.directory}: {reader.stem} checkpoint, format {index['format_version']}, "
-              f"written by {index['world_size']} process(es) at {index['created']}")
+        print(f"{args.directory}: {reader.stem} checkpoint, format "
+              f"{index.get('format_version', 0)}, written by {index['world_size']} process(es) "
+              f"at {index.get('created', 'an unrecorded time')}")
         # shared tensors, then each rank's own (RNG states...), named "rank R: key"
         entries = sorted(index["tensors"].items())
         for rank, part in enumerate(index["per_rank"]):
@@ -82,7 +85,7 @@ def run_verify(args: argparse.Namespace) -> int:
         problems = reader.verify()
         count = len(reader.index["tensors"]) + sum(len(p["tensors"])
                                                    for p in reader.index["per_rank"])
-    for problem in problems:
+    for problem in dict.fromkeys(problems):  # a file refused as a whole: said once
         print(problem, file=sys.stderr)
     print(f"{args.directory}: {count - len(problems)} of {count} tensors verified"
           + ("" if not problems else f", {len(problems)} FAILED"))
