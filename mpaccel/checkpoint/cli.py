@@ -7,6 +7,8 @@ import collections
 import os
 import sys
 
+import torch
+
 from .format import CheckpointError, dataset_name, unflatten
 from .reader import CheckpointReader
 
@@ -103,15 +105,22 @@ def run_export(args: argparse.Namespace) -> int:
     with _open(args.directory, args.stem) as reader:
         component = args.component or ("model" if reader.stem == "model" else "model_0")
         tree = reader.component(component)
-    tensors = {k: v for k, v in tree.items() if hasattr(v, "shape")}
+    if not isinstance(tree, dict):
+        raise CheckpointError(
+            f"{component!r} of {args.directory!r} is not a state_dict (it is a "
+            f"{type(tree).__name__})",
+            "safetensors files hold a model's state_dict; name another --component.",
+        )
+    tensors = {k: v for k, v in tree.items() if isinstance(v, torch.Tensor)}
     if len(tensors) != len(tree):
         others = [str(k) for k in tree if k not in tensors]
         shown = ", ".join(repr(k) for k in others[:5]) + (" ..." if len(others) > 5 else "")
         raise CheckpointError(
             f"{component!r} is not a flat state_dict of tensors: {len(others)} key(s) hold "
             f"other values ({shown})",
-            "safetensors files hold tensors only; a module's get_extra_state() (an "
-            "'_extra_state' key) cannot be exported: load the checkpoint with mpaccel instead.",
+            "safetensors files hold torch tensors only; a module's get_extra_state() (an "
+            "'_extra_state' key) and numpy arrays cannot be exported: load the checkpoint with "
+            "mpaccel instead.",
         )
     out = args.output or os.path.join(args.directory, f"{component}.safetensors")
     # tied weights load as one tensor under several keys; safetensors refuses tensors that share
@@ -151,6 +160,11 @@ def _guarded(run):
             return run(args)
         except CheckpointError as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return 1
+        except BrokenPipeError:
+            raise  # `mpaccel ckpt ls | head`: main() ends quietly
+        except Exception as exc:  # a file this one does not expect: one line, never a traceback
+            text = " ".join(str(exc).split())
+            print(f"error: {args.directory!r}: {type(exc).__name__}: {text}", file=sys.stderr)
+        return 1
 
     return wrapper
