@@ -114,25 +114,28 @@ def plain_name(name: Any) -> bool:
 
 
 class _Checker:
+    """Field checks whose failures name the index file and the field."""
+
     def __init__(self, path: str) -> None:
         self.path = path
 
     def fail(self, where: tuple, message: str) -> CheckpointError:
         return _fail(self.path, where, message)
 
-    def get(self, obj: dict, where: tuple, key: str, kind: type | tuple, optional: bool = False):
+    def get(self, obj: dict, where: tuple, key: str, kind: type, optional: bool = False) -> Any:
+        """obj[key], of type `kind` (exactly: a bool is no int)."""
         if key not in obj:
             if optional:
                 return None
             raise self.fail((*where, key), "is missing")
         value = obj[key]
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float)):
-            kinds = (kind,) if isinstance(kind, type) else kind
-            name = " or ".join(k.__name__ for k in kinds)
-            raise self.fail((*where, key), f"is {_show(value)}: expected {_article(name)}")
+        if type(value) is not kind:
+            raise self.fail((*where, key), f"is {_show(value)}: expected {_article(kind.__name__)}")
         return value
 
-    def integer(self, obj: dict, where: tuple, key: str, low: int = 0, optional: bool = False):
+    def integer(
+        self, obj: dict, where: tuple, key: str, low: int = 0, optional: bool = False
+    ) -> Any:
         if key not in obj:
             if optional:
                 return None
@@ -186,7 +189,7 @@ def check_index(index: Any, path: str) -> dict[str, Any]:
     shards = c.get(index, (), "shards", list)
     extents: dict[str, list[_Extent]] = {}
     # the tensors first: an error then names the tensor as well as the file
-    _check_part(c, index, (), {s for s in shards if isinstance(s, str)}, sizes, extents)
+    _check_part(c, index, (), {s for s in shards if isinstance(s, str)}, extents)
     for i, name in enumerate(shards):
         c.name(name, ("shards", i))
     parts = c.get(index, (), "per_rank", list)
@@ -195,9 +198,9 @@ def check_index(index: Any, path: str) -> dict[str, Any]:
     for rank, part in enumerate(parts):
         where = ("per_rank", rank)
         if not isinstance(part, dict):
-            raise c.fail(where, f"is {_show(part)}: expected an object")
+            raise c.fail(where, f"is {_show(part)}: expected a dict")
         own = c.name(c.get(part, where, "file", str), (*where, "file"))
-        _check_part(c, part, where, {own}, sizes, extents)
+        _check_part(c, part, where, {own}, extents)
     _check_extents(c, extents, sizes)
     for name in sizes:  # (after the tensors: an error there names the tensor as well)
         c.name(name, ("file_sizes",))
@@ -209,7 +212,6 @@ def _check_part(
     part: dict,
     where: tuple,
     files: set[str],
-    sizes: dict[str, int],
     extents: dict[str, list[_Extent]],
 ) -> None:
     """A part's components (state documents) and their tensors' entries."""
@@ -224,7 +226,7 @@ def _check_part(
         if component not in components or not link or "/" in link or link in (".", ".."):
             raise c.fail((*where, "tensors", key), "is not a tensor of a component of the index")
         if not _entry_ok(entry, plain):  # (the detailed check, for its message)
-            _check_entry(c, entry, (*where, "tensors", key), files, sizes, extents)
+            _check_entry(c, entry, (*where, "tensors", key), files)
         offset = entry.get("offset")
         if offset is not None and entry["nbytes"]:
             extents.setdefault(entry["file"], []).append((offset, entry["nbytes"], where, key))
@@ -263,14 +265,10 @@ def _entry_ok(entry: Any, files: set[str]) -> bool:
     )
 
 
-def _check_entry(
-    c: _Checker,
-    entry: dict,
-    at: tuple,
-    files: set[str],
-    sizes: dict[str, int],
-    extents: dict[str, list[_Extent]],
-) -> None:
+def _check_entry(c: _Checker, entry: Any, at: tuple, files: set[str]) -> None:
+    """What is wrong with an entry _entry_ok refused, in words."""
+    if not isinstance(entry, dict):
+        raise c.fail(at, f"is {_show(entry)}: expected a dict")
     file = c.name(c.get(entry, at, "file", str), (*at, "file"))
     if file not in files:
         raise c.fail((*at, "file"), f"is {file!r}, which is not among this part's files")

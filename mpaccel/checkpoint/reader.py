@@ -185,7 +185,7 @@ class CheckpointReader:
 
     def _file(self, name: str) -> h5py.File:
         """The file `name` open in HDF5 (through the descriptor _fd() checked), once every
-        dataset the index places in it passed _check_file: that is before any byte of it is
+        dataset the index places in it passed check_file: that is before any byte of it is
         read."""
         if name in self._refused:  # (verify asks again for each of its tensors)
             raise CheckpointError(*self._refused[name])

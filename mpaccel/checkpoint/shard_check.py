@@ -56,15 +56,15 @@ def open_regular(dir_fd: int, directory: str, name: str) -> int:
     path = os.path.join(directory, name)
     if not plain_name(name):
         raise CheckpointError(f"{path!r}: {name!r} is not a plain file name", _DAMAGED)
-    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    if not stat.S_ISREG(mode):
-        raise _refuse(path, mode)
     try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise _refuse(path, mode)
         fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
+        if exc.errno == errno.ELOOP:  # replaced by a link since the lstat
             raise _refuse(path, stat.S_IFLNK) from exc
         raise CheckpointError(f"cannot open checkpoint file {path!r}: {exc}") from exc
     try:
