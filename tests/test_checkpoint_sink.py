@@ -142,7 +142,7 @@ def _reader_for(path, entries, size=None):
     sizes = {} if size is None else {path.name: size}
     reader.index = {"tensors": entries, "per_rank": [], "components": {}, "file_sizes": sizes}
     reader._ordinal = {key: i for i, key in enumerate(sorted(entries))}
-    reader._files, reader._raw_fds = {}, {}
+    reader._reset_files()
     return reader
 
 
