@@ -253,6 +253,55 @@ def test_a_destination_that_cannot_take_the_bytes_gets_a_new_array(tmp_path, vou
     assert not strided.any() and not frozen.any()
 
 
+def test_deferred_reads_check_the_file_and_leave_the_destinations_alone(
+    monkeypatch, tmp_path, vouched
+):
+    """read_arrays(defer=...): destinations taken in place are not written, their bytes are
+    verified in the file (a corrupted one is an error, the destination untouched); fill()
+    reads them in afterwards, checked again (a file changed in between is an error)."""
+    monkeypatch.setattr(rawio, "PIECE", 64 << 10)
+    monkeypatch.setattr(rawio, "STREAM_PIECE", 48 << 10)  # several pieces, not aligned to PIECE
+    path = tmp_path / "deferred.h5"
+    entries, size = _write_checkpoint_file(path)
+    size = size if vouched else None
+    keys = sorted(BIG)
+
+    def destinations():
+        return {key: np.full_like(BIG[key], 7) for key in keys}
+
+    with _reader_for(path, entries, size) as reader:
+        held, dest = reader_module.Deferred(), destinations()
+        got = reader.read_arrays([(k, entries[k], dest[k], True) for k in keys], defer=held)
+        for key in keys:
+            assert got[key] is dest[key] and (dest[key] == 7).all(), key
+        reader.fill(held)
+        for key in keys:
+            np.testing.assert_array_equal(dest[key], BIG[key])
+    with h5py.File(path, "r") as f:
+        offset = f["model/big"].id.get_offset()
+    with open(path, "r+b") as raw:  # one byte in the middle of model/big
+        raw.seek(offset + (500 << 10))
+        byte = raw.read(1)
+        raw.seek(offset + (500 << 10))
+        raw.write(bytes([byte[0] ^ 1]))
+    with _reader_for(path, entries, size) as reader:
+        held, dest = reader_module.Deferred(), destinations()
+        with pytest.raises(storage.CheckpointError, match="checksum mismatch for 'model/big'"):
+            reader.read_arrays([(k, entries[k], dest[k], True) for k in keys], defer=held)
+        assert all((dest[key] == 7).all() for key in keys)
+    with open(path, "r+b") as raw:  # repaired; checked; then changed again before the fill
+        raw.seek(offset + (500 << 10))
+        raw.write(byte)
+    with _reader_for(path, entries, size) as reader:
+        held, dest = reader_module.Deferred(), destinations()
+        reader.read_arrays([(k, entries[k], dest[k], True) for k in keys], defer=held)
+        with open(path, "r+b") as raw:
+            raw.seek(offset + (500 << 10))
+            raw.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(storage.CheckpointError, match="checksum mismatch for 'model/big'"):
+            reader.fill(held)
+
+
 def test_uninitialized_lazy_parameters_are_not_read_into():
     import torch
 

@@ -17,7 +17,15 @@ from typing import Any
 from .format import CheckpointCollectiveError, CheckpointError, flatten, parse_size, unflatten
 from .reader import CheckpointReader
 from .storage import write_checkpoint
-from .training_state import apply, collect, model_state, read_back
+from .training_state import (
+    Rollback,
+    apply_states,
+    apply_tensors,
+    collect,
+    finish,
+    model_state,
+    read_back,
+)
 
 MODEL_STEM = "model"
 STATE_STEM = "state"
@@ -296,10 +304,11 @@ def load_state(
     accelerator._async_saver.wait()
     config = accelerator.project_configuration
     comm = accelerator._partial.comm
-    error: BaseException | None = None
-    directory = ""
-    notes: list[str] = []
-    try:
+    share = node_share(accelerator)
+    strict = bool(model_options.get("strict", True))
+    named = [os.fspath(input_dir) if input_dir is not None else None]  # for the messages
+
+    def open_checkpoint() -> tuple[int | None, CheckpointReader]:
         if input_dir is None:
             if not (config.automatic_checkpoint_naming and config.project_dir):
                 raise CheckpointError(
@@ -311,31 +320,77 @@ def load_state(
             if latest is None:
                 root = os.path.join(config.project_dir, "checkpoints")
                 raise CheckpointError(f"no complete checkpoint under {root!r}")
-            number, directory = latest
+            number, named[0] = latest
         else:
-            directory, number = os.fspath(input_dir), None
-        reader = CheckpointReader(directory, STATE_STEM, node_share(accelerator))
+            number = None
+        return number, CheckpointReader(named[0] or "", STATE_STEM, share)
+
+    error: BaseException | None = None
+    try:
+        number, reader = open_checkpoint()
     except Exception as exc:
         error = exc
-    what = f"loading checkpoint {directory or input_dir!r}"
-    comm.agree(error, what, kind=CheckpointCollectiveError)
-    with reader:
-        # Everything is read and verified on every rank before anything else changes: a
-        # corrupted tensor (found by the one rank of a node that verifies it) stops every rank
-        # at the same point, with the same bytes in the tensors read in place.
+    what = f"loading checkpoint {named[0]!r}"
+    try:
+        comm.agree(error, what, kind=CheckpointCollectiveError)
+    except BaseException:
+        if error is None:  # this rank opened it; another one could not
+            reader.close()
+        raise
+    # All or nothing, on every rank. (1) read, verify and check everything, changing nothing
+    # (the tensors that models and optimizers take in place are only verified in the files);
+    # all ranks agree. (2) hand their states to the schedulers, the scaler and the registered
+    # objects (whose own code may refuse them); all ranks agree. (3) read the tensors held back
+    # in (1) into the models and optimizers, then their load_state_dict; all ranks agree. (4)
+    # assign what (1) checked (RNG states, loader positions, step). A failure in (1) changed
+    # nothing; in (2) or (3), on any rank, every rank gives every object back the state it had
+    # (Rollback), all but the tensors read in place in (3): the warning says so.
+    rollback = Rollback()
+    filled = False
+
+    def fill() -> None:
+        nonlocal filled
+        filled = True
+        reader.fill(loaded.held, follow=share[0] > 0)
+
+    try:
         try:
-            trees = read_back(accelerator, reader, comm.rank, model_options)
+            loaded = read_back(accelerator, reader, comm.rank, strict)
         except Exception as exc:
             error = exc
         comm.agree(error, what, kind=CheckpointCollectiveError)
         try:
-            notes = apply(accelerator, trees, reader, model_options)
-            if number is not None:
-                config.iteration = number + 1
+            apply_states(accelerator, loaded, reader, rollback)
         except Exception as exc:
             error = exc
         comm.agree(error, what, kind=CheckpointCollectiveError)
-    if notes and accelerator.is_main_process:
-        for note in notes:
-            warnings.warn(note, RuntimeWarning, stacklevel=3)
-    return directory
+        try:
+            apply_tensors(accelerator, loaded, reader, rollback, fill, model_options)
+        except Exception as exc:
+            error = exc
+        comm.agree(error, what, kind=CheckpointCollectiveError)
+    except BaseException:
+        problems = rollback.run()
+        if filled:
+            problems.append(
+                "the models' and optimizers' tensors read in place (they hold the checkpoint's "
+                "bytes, some of them perhaps: load a checkpoint again)"
+            )
+        if problems:
+            warnings.warn(
+                f"{what} failed, and not everything could be given back the state it had: "
+                + "; ".join(problems),
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        raise
+    finally:
+        reader.close()
+    finish(accelerator, loaded)
+    if number is not None:
+        config.iteration = number + 1
+    for note in loaded.notes if accelerator.is_main_process else []:
+        warnings.warn(note, RuntimeWarning, stacklevel=3)
+    for warning in loaded.warnings:
+        warnings.warn(warning, RuntimeWarning, stacklevel=3)
+    return named[0] or ""

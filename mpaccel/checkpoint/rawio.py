@@ -282,23 +282,39 @@ def write_arrays(
 
 
 class ReadTask:
-    """One tensor to read: `out` (C-contiguous, writable, not empty) is filled from (fd, offset);
-    `check(out)` runs once it is complete (checksum, may raise)."""
+    """One tensor to read from (fd, offset). Into `out` (C-contiguous, writable, not empty):
+    `check(out)` runs once it is complete (checksum, may raise). Or, with `out` None, only
+    checked: its `nbytes` bytes stream through a small buffer into `digest()` (a new xxh3
+    hasher), and `check(hexdigest)` runs at the end; nothing else is written."""
 
-    __slots__ = ("_left", "_lock", "check", "fd", "key", "offset", "out", "path")
+    __slots__ = (
+        "_left", "_lock", "check", "digest", "fd", "key", "nbytes", "offset", "out", "path"
+    )
 
     def __init__(
-        self, key: str, path: str, fd: int, offset: int, out: np.ndarray, check: Any
+        self,
+        key: str,
+        path: str,
+        fd: int,
+        offset: int,
+        out: np.ndarray | None,
+        check: Any,
+        nbytes: int = 0,
+        digest: Callable[[], Any] | None = None,
     ) -> None:
         self.key, self.path, self.fd, self.offset, self.out = key, path, fd, offset, out
-        self.check = check
-        self._left = len(_pieces(out.nbytes))
+        self.check, self.digest = check, digest
+        self.nbytes = out.nbytes if out is not None else nbytes
+        self._left = len(_pieces(self.nbytes)) if out is not None else 1
         self._lock = threading.Lock()
 
     def piece_done(self) -> bool:
         with self._lock:
             self._left -= 1
             return self._left == 0
+
+
+STREAM_PIECE = 8 << 20  # bytes per read of a tensor that is only checked (a reused buffer)
 
 
 def read_arrays(
@@ -310,34 +326,65 @@ def read_arrays(
     """Fill every task's (non-empty) array, pieces on `threads` threads in file order, and run
     its check on a thread of its own once it is complete. A failed read stops the others; a failed
     check does not (every array is filled with the file's bytes, whatever the checks find).
-    The first failure, turned into an exception by `error(task, exc)`, is raised at the end.
-    `follow`: another process of this node is reading the same bytes now (preadv_following)."""
+    Tasks that are only checked (`out` None) are streamed whole by one thread each, in their
+    place in file order. The first failure, turned into an exception by `error(task, exc)`, is
+    raised at the end. `follow`: another process of this node is reading the same bytes now
+    (preadv_following; not for tasks only checked)."""
     read = preadv_following if follow else preadv_all
     failed, rejected = _FirstError(), _FirstError()
     ordered = sorted(tasks, key=lambda t: (t.path, t.offset))
     threads = threads or read_threads(ordered)
+    buffers = threading.local()  # one streaming buffer per reader thread
+
+    def read_piece(task: ReadTask, view: memoryview, offset: int) -> None:
+        # a checked-only task is this process's share of the node's checks: nobody else reads
+        # those bytes now, there is no one to follow
+        if (read if task.out is not None else preadv_all)(task.fd, view, offset) < len(view):
+            raise OSError(f"the file ends before the data of {task.key!r} (truncated)")
+
+    def stream(task: ReadTask) -> str | None:
+        """The task's bytes, through this thread's buffer, into a hasher: its hex digest."""
+        if getattr(buffers, "view", None) is None:
+            buffers.view = memoryview(bytearray(STREAM_PIECE))
+        assert task.digest is not None
+        hasher = task.digest()
+        for start, size in [(s, min(STREAM_PIECE, task.nbytes - s))
+                            for s in range(0, task.nbytes, STREAM_PIECE)]:
+            if failed.error is not None:
+                return None
+            view = buffers.view[:size]
+            read_piece(task, view, task.offset + start)
+            hasher.update(view)
+        return str(hasher.hexdigest())
 
     def get(item: tuple[ReadTask, int, int]) -> None:
         task, start, size = item
         if failed.error is not None:
             return
         try:
-            view = byte_view(task.out)[start : start + size]
-            if read(task.fd, view, task.offset + start) < size:
-                raise OSError(f"the file ends before the data of {task.key!r} (truncated)")
+            if task.out is None:
+                digest = stream(task)
+                if digest is not None and task.check is not None:
+                    verifier.submit(verify, task, digest)
+                return
+            read_piece(task, byte_view(task.out)[start : start + size], task.offset + start)
         except Exception as exc:
             failed.keep(error(task, exc))
             return
         if task.piece_done() and task.check is not None:
-            verifier.submit(verify, task)  # the readers go on reading meanwhile
+            verifier.submit(verify, task, task.out)  # the readers go on reading meanwhile
 
-    def verify(task: ReadTask) -> None:
+    def verify(task: ReadTask, what: Any) -> None:
         try:
-            task.check(task.out)
+            task.check(what)
         except Exception as exc:
             rejected.keep(error(task, exc))
 
-    pieces = [(t, start, size) for t in ordered for start, size in _pieces(t.out.nbytes)]
+    pieces = [
+        (t, start, size)
+        for t in ordered
+        for start, size in (_pieces(t.nbytes) if t.out is not None else [(0, t.nbytes)])
+    ]
     with ThreadPoolExecutor(1, thread_name_prefix="mpaccel-verify") as verifier:
         with ThreadPoolExecutor(threads, thread_name_prefix="mpaccel-read") as pool:
             _run_all(pool, get, pieces, failed)
