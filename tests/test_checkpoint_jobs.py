@@ -223,3 +223,120 @@ def test_batches_of_no_fixed_size_resume_at_another_world_size(tmp_path):
     run_mpi([script, str(tmp_path / "ckpt"), "save"], n=2, timeout=180).check()
     run = run_mpi([script, str(tmp_path / "ckpt"), "load"], n=1, timeout=180).check()
     assert run.stdout[0].strip() == "[[5, 6, 7, 8], [9], [10, 11], [12]]", run.describe()
+
+
+# -- a rank whose file system stops answering ------------------------------------------------------
+
+# Holds a write lease on a file (fcntl F_SETLEASE): another process that opens it then blocks in
+# open(2), inside the kernel, until the lease is given up (or /proc/sys/fs/lease-break-time,
+# 45 s by default, runs out), as on a network file system that stopped answering. The reader's
+# own code path runs as it is: nothing in mpaccel is replaced.
+LEASE_HOLDER = """
+import fcntl, os, signal, sys
+signal.signal(signal.SIGIO, signal.SIG_IGN)  # told that someone waits: keep the lease anyway
+fd = os.open(sys.argv[1], os.O_WRONLY)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+print("leased", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+"""
+
+HUNG = """
+    from mpaccel import CollectiveError
+    acc, model, opt, sched, loader = build()
+    before = digest(acc, model)
+    try:
+        if sys.argv[2] == "save":
+            acc.save_state(sys.argv[1])
+        else:
+            acc.load_state(sys.argv[1])
+        print("done", flush=True)
+    except CollectiveError as exc:
+        text = str(exc)
+        print("failed", exc.failed_ranks, before == digest(acc, model),
+              "no checkpoint I/O of this process ended" in text, sys.argv[3] in text, flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_rank_whose_file_system_hangs_fails_the_load_under_the_timeout(tmp_path, n):
+    """The last rank's open() of its own file blocks in the kernel: that rank reports it after
+    the collective timeout (less a margin), naming the file, and every rank raises the same
+    error naming that rank, the model as it was. It hung in open() (killed after 45 s), the
+    other ranks timed out in the next collective without a word about the file."""
+    script = _write(tmp_path, "hung.py", HUNG)
+    target = tmp_path / "ckpt"
+    stuck = n - 1
+    name = f"rank{stuck:05d}.h5"
+    run_mpi([script, str(target), "save", name], n=n, timeout=180).check()
+    rank_file = next(target.glob(f"state-*-{name}"))
+    holder = subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, str(rank_file)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "leased"
+        run = run_mpi([script, str(target), "load", name], n=n, timeout=120,
+                      env={"MPACCEL_TIMEOUT": "8"})
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    assert run.returncode == 0, run.describe()
+    assert [out.split() for out in run.stdout] == [
+        ["failed", f"[{stuck}]", "True", "True", "True"]] * n, run.describe()
+
+
+@pytest.fixture
+def freezable_disk(tmp_path):
+    """An ext4 file system of its own (a loop device) that the test can freeze (fsfreeze):
+    every write to it then blocks in the kernel until it is thawed."""
+    image, mount = tmp_path / "disk.img", tmp_path / "disk"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    steps = [["mkfs.ext4", "-q", str(image)], ["mount", "-o", "loop", str(image), str(mount)]]
+    for step in steps:
+        result = subprocess.run(step, capture_output=True, text=True)
+        if result.returncode != 0:
+            if _env.get("ci"):
+                pytest.fail(f"cannot make a loop file system in CI: {result.stderr}")
+            pytest.skip(f"needs root and loop devices: {' '.join(step)}: {result.stderr}")
+    yield mount
+    subprocess.run(["fsfreeze", "-u", str(mount)], capture_output=True)
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_rank_whose_file_system_hangs_fails_the_save_under_the_timeout(
+    tmp_path, freezable_disk
+):
+    """Rank 0 creates the checkpoint's directory on a file system that stopped answering: it
+    reports after the collective timeout (less a margin) and every rank raises naming it. It
+    hung in mkdir() until the file system came back, the others timed out in the next
+    collective and aborted the job."""
+    script = _write(tmp_path, "hung.py", HUNG)
+    target = freezable_disk / "ckpt"
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    argv, extra = mpiexec_command(2)
+    subprocess.run(["fsfreeze", "-f", str(freezable_disk)], check=True)
+    try:
+        proc = subprocess.Popen(
+            [*argv, sys.executable, "-m", "mpaccel.testing.rankio", str(outdir), script,
+             str(target), "save", repr(str(target))],
+            env=_env.child_environment({**extra, "MPACCEL_TIMEOUT": "8"}),
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        # A rank whose thread is held in the kernel cannot exit until the file system thaws:
+        # wait for what the ranks print, then thaw, then for the job to end.
+        deadline = time.monotonic() + 120
+        outputs = [outdir / f"rank-{r}.out" for r in range(2)]
+        while not all(_read(o).strip() for o in outputs) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the save never ended"
+            time.sleep(0.05)
+    finally:
+        subprocess.run(["fsfreeze", "-u", str(freezable_disk)], capture_output=True)
+    try:
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        wait_gone(kill_ranks(outdir), 30)
+    assert [_read(o).split() for o in outputs] == [["failed", "[0]", "True", "True", "True"]] * 2, (
+        _read(outdir / "rank-0.err") + _read(outdir / "rank-1.err"))

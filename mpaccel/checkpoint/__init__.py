@@ -14,6 +14,7 @@ import threading
 import warnings
 from typing import Any
 
+from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError, flatten, parse_size, unflatten
 from .reader import CheckpointReader
 from .storage import write_checkpoint
@@ -304,6 +305,7 @@ def load_state(
     accelerator._async_saver.wait()
     config = accelerator.project_configuration
     comm = accelerator._partial.comm
+    limit = rawio.stall_limit(comm.default_timeout)
     share = node_share(accelerator)
     strict = bool(model_options.get("strict", True))
     named = [os.fspath(input_dir) if input_dir is not None else None]  # for the messages
@@ -327,7 +329,7 @@ def load_state(
 
     error: BaseException | None = None
     try:
-        number, reader = open_checkpoint()
+        number, reader = rawio.within(limit, "opening a checkpoint", open_checkpoint)
     except Exception as exc:
         error = exc
     what = f"loading checkpoint {named[0]!r}"
@@ -346,16 +348,25 @@ def load_state(
     # nothing; in (2) or (3), on any rank, every rank gives every object back the state it had
     # (Rollback), all but the tensors read in place in (3): the warning says so.
     rollback = Rollback()
+    abandoned = False  # a thread left in the kernel may still use the reader's files
     filled = False
+
+    def io(work: Any) -> Any:
+        nonlocal abandoned
+        try:
+            return rawio.within(limit, what, work)
+        except BaseException as exc:  # given up on, or interrupted: its thread may run on
+            abandoned = isinstance(exc, rawio.StalledIOError) or not isinstance(exc, Exception)
+            raise
 
     def fill() -> None:
         nonlocal filled
         filled = True
-        reader.fill(loaded.held, follow=share[0] > 0)
+        io(lambda: reader.fill(loaded.held, follow=share[0] > 0))
 
     try:
         try:
-            loaded = read_back(accelerator, reader, comm.rank, strict)
+            loaded = io(lambda: read_back(accelerator, reader, comm.rank, strict))
         except Exception as exc:
             error = exc
         comm.agree(error, what, kind=CheckpointCollectiveError)
@@ -385,7 +396,8 @@ def load_state(
             )
         raise
     finally:
-        reader.close()
+        if not abandoned:
+            reader.close()
     finish(accelerator, loaded)
     if number is not None:
         config.iteration = number + 1

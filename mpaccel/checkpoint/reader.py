@@ -181,7 +181,16 @@ class CheckpointReader:
         are checked in the file (through a small buffer) and `defer` holds them for fill()."""
         out: dict[str, np.ndarray] = {}
         rejected: list[CheckpointError] = []  # failed checks: raised once everything is read
-        placed = [(item, self._raw(item[1])) for item in wanted]  # each file opened once
+        watch, opened = rawio.current_watch(), set()
+        placed = []
+        for item in wanted:  # each file opened once
+            name = item[1]["file"]
+            if name in opened:
+                placed.append((item, self._raw(item[1])))
+                continue
+            opened.add(name)
+            with watch.doing(f"opening {self._path(name)!r}"):
+                placed.append((item, self._raw(item[1])))
         for at_offsets in (True, False):
             tasks = []
             for (key, entry, dest, verify), raw in placed:
