@@ -962,6 +962,49 @@ def test_automatic_naming_rotation_and_latest(mpi_tmp_path, comm):
     assert acc.save_iteration == 4
 
 
+def test_rotation_makes_room_before_a_save_removes_debris_and_says_so(
+    mpi_tmp_path, comm, monkeypatch, caplog
+):
+    """As in Accelerate, the oldest checkpoints go before the new one is written (a crash then
+    leaves total_limit - 1 of them, never total_limit + 1), with a message on the main process;
+    a checkpoint whose deletion was cut short (no index left) is debris the next save removes."""
+    import logging
+
+    import mpaccel.checkpoint as checkpoint_module
+
+    caplog.set_level(logging.INFO, logger="mpaccel.checkpoint")
+    config = ProjectConfiguration(project_dir=str(mpi_tmp_path), automatic_checkpoint_naming=True,
+                                  total_limit=2)
+    acc, model, *_ = _setup(project_config=config)
+    root = mpi_tmp_path / "checkpoints"
+    acc.save_state()
+    acc.save_state()
+    acc.wait_for_everyone()
+    if acc.is_main_process:  # killed after its commit was undone: the files without an index
+        (root / "checkpoint_0" / "state.index.json").unlink()
+    acc.wait_for_everyone()
+    assert checkpoint_module.checkpoints_in(str(mpi_tmp_path))[0][2] is False
+    complete_at_write = []
+    real = checkpoint_module.write_checkpoint
+
+    def writing(*args, **kwargs):
+        found = checkpoint_module.checkpoints_in(str(mpi_tmp_path))
+        complete_at_write.append([n for n, _, ok in found if ok])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "write_checkpoint", writing)
+    caplog.clear()
+    acc.save_state()
+    acc.save_state()
+    acc.wait_for_everyone()
+    assert complete_at_write == [[1], [2]]
+    assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]
+    said = [r.getMessage() for r in caplog.records if r.name == "mpaccel.checkpoint"]
+    expected = ["Deleting what interrupted saves or deletions left (no index): checkpoint_0",
+                "Deleting 1 checkpoint(s) to keep total_limit=2: checkpoint_1"]
+    assert said == (expected if acc.is_main_process else []), said
+
+
 def test_a_new_run_never_saves_over_or_below_existing_checkpoints(mpi_tmp_path, comm):
     def config(**kwargs):
         return ProjectConfiguration(project_dir=str(mpi_tmp_path),

@@ -8,16 +8,16 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import shutil
 import sys
 import threading
 import warnings
 from typing import Any
 
+from ..logging import get_logger
 from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError, flatten, parse_size, unflatten
 from .reader import CheckpointReader
-from .storage import write_checkpoint
+from .storage import delete_checkpoint, write_checkpoint
 from .training_state import (
     Rollback,
     apply_states,
@@ -31,6 +31,7 @@ from .training_state import (
 MODEL_STEM = "model"
 STATE_STEM = "state"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)$")
+logger = get_logger(__name__)
 
 __all__ = [
     "AsyncSaver",
@@ -91,19 +92,48 @@ def latest_checkpoint(project_dir: str) -> tuple[int, str] | None:
     return complete[-1] if complete else None
 
 
-def rotate(project_dir: str, total_limit: int | None) -> None:
-    """Keep the `total_limit` newest complete checkpoints; drop debris of interrupted saves
-    older than the newest complete one. Never removes the newest complete checkpoint."""
+def rotate(project_dir: str, total_limit: int | None, room: bool = False) -> list[str]:
+    """Keep the `total_limit` newest complete checkpoints, or one fewer with `room` (before a
+    save, to make room for it, as Accelerate does), but never fewer than one: the newest
+    complete checkpoint is never removed. Also drops debris (interrupted saves, interrupted
+    deletions) older than the newest complete checkpoint. Returns the paths deleted."""
     found = checkpoints_in(project_dir)
     complete = [entry for entry in found if entry[2]]
     if not complete:
-        return
+        return []
     newest = complete[-1][0]
-    doomed = [path for n, path, ok in found if not ok and n < newest]
-    if total_limit is not None and len(complete) > total_limit:
-        doomed += [path for _, path, _ in complete[: len(complete) - total_limit]]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+    debris = [path for n, path, ok in found if not ok and n < newest]
+    old: list[str] = []
+    if total_limit is not None:
+        keep = max(1, total_limit - 1 if room else total_limit)
+        old = [path for _, path, _ in complete[: max(0, len(complete) - keep)]]
+    if debris:
+        logger.info(
+            "Deleting what interrupted saves or deletions left (no index): "
+            + ", ".join(os.path.basename(path) for path in debris)
+        )
+    if old:
+        logger.info(
+            f"Deleting {len(old)} checkpoint(s) to keep total_limit={total_limit}: "
+            + ", ".join(os.path.basename(path) for path in old)
+        )
+    for path in [*debris, *old]:  # oldest first
+        delete_checkpoint(path, STATE_STEM)
+    return [*debris, *old]
+
+
+def _rotate(comm: Any, rotation: tuple[str, int | None], room: bool, what: str) -> None:
+    """Collective: rotate() on rank 0 (the checkpoints are on a file system every rank sees),
+    under the collective timeout; every rank raises if it fails."""
+    error = None
+    if comm.rank == 0:
+        try:
+            rawio.within(
+                rawio.stall_limit(comm.default_timeout), what, lambda: rotate(*rotation, room)
+            )
+        except Exception as exc:
+            error = exc
+    comm.agree(error, what + " (removing old checkpoints)", kind=CheckpointCollectiveError)
 
 
 def _resolve_output(accelerator: Any, output_dir: str | None) -> str:
@@ -268,9 +298,15 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
         rotation = (config.project_dir, config.total_limit)
 
     def write(comm: Any) -> None:
+        # Rotation deletes the oldest checkpoints before the new one is written (room for it,
+        # as in Accelerate: a crash meanwhile leaves total_limit - 1, never more than the
+        # limit), keeping the newest; then, once it is committed, whatever is over the limit
+        # (total_limit=1: the previous one only goes once the new one is committed).
+        if rotation is not None:
+            _rotate(comm, rotation, True, f"saving checkpoint {directory!r}")
         write_checkpoint(comm, directory, STATE_STEM, shared, per_rank, metadata=metadata)
-        if rotation is not None and comm.rank == 0:
-            rotate(*rotation)
+        if rotation is not None:
+            _rotate(comm, rotation, False, f"saving checkpoint {directory!r}")
 
     if async_save:
         background = saver.comm_for(accelerator)

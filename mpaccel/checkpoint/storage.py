@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -400,6 +401,19 @@ def write_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
     except BaseException:
         _remove([temp])
         raise
+
+
+def delete_checkpoint(directory: str, stem: str) -> None:
+    """Delete a checkpoint directory so that it is never taken for a complete one, however the
+    process ends meanwhile: the commit is undone first (its index removed, the directory
+    synced), then the rest goes; leftovers are debris without an index."""
+    try:
+        os.remove(os.path.join(directory, f"{stem}.index.json"))
+    except FileNotFoundError:
+        pass
+    else:
+        _fsync_path(directory)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def remove_stale(directory: str, stem: str, index: Mapping[str, Any]) -> None:
