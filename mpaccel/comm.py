@@ -123,6 +123,7 @@ class Comm(Protocol):
     rank: int
     size: int
     hosts: Sequence[str]
+    default_timeout: float  # seconds a collective waits unless told otherwise
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None: ...
 

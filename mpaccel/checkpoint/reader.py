@@ -5,6 +5,7 @@ h5py where it does not. storage.py writes what this reads."""
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
+import xxhash
 
 from . import rawio
 from .format import (
@@ -244,7 +246,10 @@ class CheckpointReader:
         return fd, int(offset), dtype
 
     def _verify(self, key: str, array: np.ndarray, entry: Mapping[str, Any]) -> None:
-        if checksum(array) != entry["xxh3"]:
+        self._verify_digest(key, checksum(array), entry)
+
+    def _verify_digest(self, key: str, digest: str, entry: Mapping[str, Any]) -> None:
+        if digest != entry["xxh3"]:
             raise CheckpointError(
                 f"checksum mismatch for {key!r} in {self._path(entry['file'])!r}: the file is "
                 "corrupted",
@@ -255,6 +260,7 @@ class CheckpointReader:
         self,
         wanted: list[tuple[str, Mapping[str, Any], np.ndarray | None, bool]],
         follow: bool = False,
+        defer: Deferred | None = None,
     ) -> dict[str, np.ndarray]:
         """Read (key, index entry, destination or None, verify) items, on several threads.
 
@@ -263,23 +269,28 @@ class CheckpointReader:
         rawio in file order, so the data streams before any HDF5 metadata is read; then those
         of checkpoints without offsets or rewritten by another tool, through HDF5's metadata
         (contiguous ones by rawio at the offset HDF5 gives, chunked or filtered ones by h5py).
-        `follow`: another process of this node reads the same items now (rawio.read_arrays)."""
+        `follow`: another process of this node reads the same items now (rawio.read_arrays).
+        `defer`: destinations taken as they are (in place) are not written now: their bytes
+        are checked in the file (through a small buffer) and `defer` holds them for fill()."""
         out: dict[str, np.ndarray] = {}
         rejected: list[CheckpointError] = []  # failed checks: raised once everything is read
-
-        def error(task: rawio.ReadTask, exc: BaseException) -> BaseException:
-            if isinstance(exc, CheckpointError):
-                return exc
-            return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
-
-        placed = [(item, self._raw(item[1])) for item in wanted]  # each file opened once
+        watch, opened = rawio.current_watch(), set()
+        placed = []
+        for item in wanted:  # each file opened once
+            name = item[1]["file"]
+            if name in opened:
+                placed.append((item, self._raw(item[1])))
+                continue
+            opened.add(name)
+            with watch.doing(f"opening {self._path(name)!r}"):
+                placed.append((item, self._raw(item[1])))
         for at_offsets in (True, False):
             tasks = []
             for (key, entry, dest, verify), raw in placed:
                 if (raw is not None) != at_offsets:
                     continue
                 try:
-                    task = self._read_one(key, entry, dest, verify, raw, out, rejected)
+                    task = self._read_one(key, entry, dest, verify, raw, out, rejected, defer)
                 except CheckpointError:
                     raise
                 except Exception as exc:
@@ -288,10 +299,25 @@ class CheckpointReader:
                 if task is not None:
                     tasks.append(task)
             if tasks:
-                rawio.read_arrays(tasks, error, follow=follow)
+                rawio.read_arrays(tasks, _read_error, follow=follow)
         if rejected:
             raise rejected[0]
         return out
+
+    def fill(self, held: Deferred, follow: bool = False) -> None:
+        """Copy the reads read_arrays(defer=held) held back into their destinations: read again
+        (from the page cache, as a rule) straight into them, and checked again where they were
+        checked the first time (a file changed in between is an error, raised at the end)."""
+        tasks = []
+        for key, entry, dest, verify, source in held.items:
+            if isinstance(source, np.ndarray):
+                np.copyto(dest, source)  # read (and checked) into private memory
+                continue
+            fd, offset = source
+            check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
+            tasks.append(rawio.ReadTask(key, self._path(entry["file"]), fd, offset, dest, check))
+        if tasks:
+            rawio.read_arrays(tasks, _read_error, follow=follow)
 
     def _read_one(
         self,
@@ -302,10 +328,11 @@ class CheckpointReader:
         raw: tuple[int, int, np.dtype] | None,
         out: dict[str, np.ndarray],
         rejected: list[CheckpointError],
+        defer: Deferred | None = None,
     ) -> rawio.ReadTask | None:
         """One item of read_arrays (`raw`: what _raw() said of it): puts its array in `out` and
-        returns the rawio task that fills it, or reads it here (through h5py, or empty) and
-        returns None."""
+        returns the rawio task that fills it (or, deferred, only checks it), or reads it here
+        (through h5py, or empty) and returns None."""
         path = self._path(entry["file"])
         offset: int | None
         if raw is not None:
@@ -331,11 +358,26 @@ class CheckpointReader:
             or not dest.flags.writeable
         ):
             dest = np.empty(shape, dtype=dtype)
+            defer = None  # new memory: read now
         out[key] = dest
         check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
+        if offset is not None and dest.size and fd < 0:
+            fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
+        if defer is not None and dest.size:
+            if offset is None:  # through h5py: into new memory now, copied in by fill()
+                copy = np.empty(shape, dtype=dtype)
+                defer.items.append((key, entry, dest, verify, copy))
+                dest = copy
+            else:  # its bytes checked in the file now, read in by fill()
+                defer.items.append((key, entry, dest, verify, (fd, offset)))
+                if not verify:
+                    return None
+                # format.checksum's hash, fed piece by piece
+                checked = functools.partial(self._verify_digest, key, entry=entry)
+                return rawio.ReadTask(
+                    key, path, fd, offset, None, checked, dest.nbytes, xxhash.xxh3_64
+                )
         if offset is not None and dest.size:
-            if fd < 0:
-                fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
             return rawio.ReadTask(key, path, fd, offset, dest, check)
         if dest.size:
             ds.read_direct(dest)
@@ -429,16 +471,22 @@ class CheckpointReader:
     def component(self, component: str, verify: bool = True, into: Any = None) -> Any:
         """The component's state tree. `into`: a tree whose matching tensors (same dtype and
         shape, contiguous, in host memory) are filled in place and returned as they are: no
-        new memory and no second copy, but a failed read leaves them partly overwritten."""
+        new memory and no second copy, but a failed read leaves them partly overwritten
+        (read_components(defer=...) leaves them alone until every check passed)."""
         return self.read_components([(component, into)], verify)[component]
 
     def read_components(
-        self, requests: Sequence[tuple[str, Any]], verify: bool = True
+        self,
+        requests: Sequence[tuple[str, Any]],
+        verify: bool = True,
+        defer: Deferred | None = None,
     ) -> dict[str, Any]:
         """{component: tree} for (component, into) requests (see component()), read in one pass
         in file order: a file holds tensors of several components (shard i has part of every
         model and optimizer), and reading it once from start to end, rather than once per
-        component, keeps the disk streaming."""
+        component, keeps the disk streaming. `defer`: the tensors of `into` to be filled in
+        place are only checked now (their trees hold them as they are) and filled by
+        fill(defer) later: a caller that must change nothing unless everything checks out."""
         missing = [c for c, _ in requests if c not in self.index["components"]]
         if missing:
             raise CheckpointError(
@@ -455,7 +503,8 @@ class CheckpointReader:
         plans = [
             self._plan(c, documents[c], entries, into, verify_key, claimed) for c, into in requests
         ]
-        arrays = self.read_arrays([item for wanted, _ in plans for item in wanted], index > 0)
+        items = [item for wanted, _ in plans for item in wanted]
+        arrays = self.read_arrays(items, index > 0, defer)
         return {
             c: self._build(c, documents[c], entries, arrays, reuse)
             for (c, _), (_, reuse) in zip(requests, plans, strict=True)
@@ -495,6 +544,21 @@ class CheckpointReader:
                 f"{entry['dtype']} {entry['shape']}",
                 "the file was changed after the save; restore it, or load an earlier checkpoint.",
             )
+
+
+class Deferred:
+    """In-place reads held back by read_arrays(defer=...) until CheckpointReader.fill(): (key,
+    entry, destination, verify, where its bytes are: (fd, offset) in the file, or an array
+    they were read into)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, Mapping[str, Any], np.ndarray, bool, Any]] = []
+
+
+def _read_error(task: rawio.ReadTask, exc: BaseException) -> BaseException:
+    if isinstance(exc, CheckpointError):
+        return exc
+    return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
 
 
 def _index_path(directory: str, stem: str) -> str:

@@ -16,9 +16,10 @@ import numpy as np
 from .format import CheckpointError, _numpy_storable, storage_dtype
 from .index_check import plain_name
 
-# O_NONBLOCK: opening a FIFO for reading would wait for a writer forever; on regular files it
-# changes nothing.
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: opening a FIFO for reading would wait for a writer forever. On a regular file it
+# changes nothing but one thing: a lease another process holds (a file server's) makes the open
+# fail with EWOULDBLOCK instead of waiting for the lease to be broken; see open_regular.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 DIRECTORY_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _DAMAGED = "the file was damaged or crafted; restore it from a copy, or load another checkpoint."
 
@@ -60,7 +61,14 @@ def open_regular(dir_fd: int, directory: str, name: str) -> int:
         mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
         if not stat.S_ISREG(mode):
             raise _refuse(path, mode)
-        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+        try:
+            fd = os.open(name, _OPEN_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+        except BlockingIOError:
+            # A regular file under another process's lease (a FIFO opens at once without a
+            # writer): wait for the kernel to break the lease, as any reader would. Collective
+            # loads run this under the I/O deadline (rawio.within), which ends a wait that
+            # never does.
+            fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:
