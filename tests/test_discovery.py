@@ -35,12 +35,8 @@ from mpaccel.environments import (
     mpi_family,
 )
 from mpaccel.environments.mpi import check_pmix_before_init
-from mpaccel.environments.slurm import (
-    allocation_warnings,
-    check_srun_layout,
-    runs_of,
-    runs_text,
-)
+from mpaccel.environments.slurm import allocation_warnings, check_srun_layout
+from mpaccel.environments.slurm_facts import runs_of, runs_text
 from mpaccel.errors import CollectiveError, ConfigurationError, LaunchError
 from mpaccel.testing import reset_state
 

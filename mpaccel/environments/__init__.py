@@ -13,7 +13,8 @@ from .._env import Snapshot
 from .base import Launcher, ProcessInfo, layout_from_node_keys
 from .mpi import HydraLauncher, OpenMPILauncher, PMILauncher, leftover_notes, mpi_family
 from .single import SingleProcess
-from .slurm import SlurmBatchShell, SlurmFacts, SrunLauncher, expand_nodelist
+from .slurm import SlurmBatchShell, SrunLauncher
+from .slurm_facts import SlurmFacts, expand_nodelist
 
 LAUNCHERS: tuple[type[Launcher], ...] = (
     OpenMPILauncher,  # OMPI_COMM_WORLD_SIZE: Open MPI's mpirun, also inside Slurm
