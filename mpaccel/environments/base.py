@@ -72,6 +72,20 @@ def layout_from_node_keys(keys: Sequence[Hashable], rank: int, hostname: str) ->
     )
 
 
+def mpi_family(library_version: str) -> str:
+    """'mpich', 'openmpi', 'intel', 'mvapich' or 'unknown', from MPI_Get_library_version()."""
+    text = library_version.lower()
+    if "open mpi" in text:
+        return "openmpi"
+    if "intel" in text:
+        return "intel"
+    if "mvapich" in text:
+        return "mvapich"
+    if "mpich" in text:
+        return "mpich"
+    return "unknown"
+
+
 class Launcher:
     """One way a job gets started (mpiexec of some MPI, srun, plain python).
 

@@ -8,22 +8,7 @@ from __future__ import annotations
 
 from .. import _env
 from ..errors import LaunchError
-from .base import Launcher
-
-
-def mpi_family(library_version: str) -> str:
-    """'mpich', 'openmpi', 'intel', 'mvapich' or 'unknown', from MPI_Get_library_version()."""
-    text = library_version.lower()
-    if "open mpi" in text:
-        return "openmpi"
-    if "intel" in text:
-        return "intel"
-    if "mvapich" in text:
-        return "mvapich"
-    if "mpich" in text:
-        return "mpich"
-    return "unknown"
-
+from .base import Launcher, mpi_family
 
 _LIBMPI = {"mpich": "libmpich.so.12", "openmpi": "libmpi.so.40"}
 

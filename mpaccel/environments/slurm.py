@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from .. import _env
 from .._env import Snapshot
 from ..errors import LaunchError
-from .base import Launcher, ProcessInfo
-from .mpi import mpi_family
+from .base import Launcher, ProcessInfo, mpi_family
 from .slurm_facts import Runs, SlurmFacts, runs_of, runs_text
 
 SKIP_HINT = "(set MPACCEL_SKIP_LAUNCH_CHECKS=1 if this layout is intended)"
