@@ -21,13 +21,10 @@ from .environments import (
     ProcessInfo,
     SingleProcess,
     SlurmFacts,
-    SrunLauncher,
     detect_launcher,
     layout_from_node_keys,
-    leftover_notes,
 )
 from .environments.mpi import check_pmix_before_init
-from .environments.slurm import allocation_warnings, check_srun_layout
 from .errors import ConfigurationError, LaunchError, MpaccelError
 
 
@@ -177,10 +174,14 @@ def discover(
 ) -> Discovery:
     """Collective over COMM_WORLD: every process of the job must call this, once.
 
-    Initialises MPI (unless done before) after the checks that need no MPI world. A malformed
-    variable on some ranks only is raised on every rank once MPI is up: raised before MPI_Init
-    on those ranks alone, it would leave the others waiting in MPI_Init. `problem` is such an
-    error the caller found (a malformed setting of its own).
+    Initialises MPI (unless done before) after the checks that need no MPI world. After one
+    gather of every rank's facts come the launcher's own checks (Launcher.check_layout) and
+    warnings (leftover_notes, allocation_notes); MPACCEL_SKIP_LAUNCH_CHECKS skips the checks,
+    not the warnings.
+
+    A malformed variable on some ranks only is raised on every rank once MPI is up: raised
+    before MPI_Init on those ranks alone, it would leave the others waiting in MPI_Init.
+    `problem` is such an error the caller found (a malformed setting of its own).
     """
     env = _env.snapshot() if env is None else env
     host = socket.gethostname()
@@ -205,7 +206,7 @@ def discover(
     launcher: Launcher = SingleProcess(env)
     if parsed is not None:
         launcher = detect_launcher(env, library)
-        notes = leftover_notes(env, launcher, library)
+        notes = launcher.leftover_notes(library)
     skip = parsed.skip_checks if parsed else False
     if not skip and not MPI.Is_initialized():
         try:
@@ -226,7 +227,7 @@ def discover(
         if problem is not None:
             raise problem
         comm = NullComm(host, default_timeout)
-        notes += allocation_warnings(slurm, launcher, 1, 1 if slurm.nodename else None)
+        notes += launcher.allocation_notes(slurm, 1, 1 if slurm.nodename else None)
         return Discovery(
             ProcessInfo.single(host), launcher, comm, library, version, slurm, (host,), tuple(notes)
         )
@@ -259,12 +260,11 @@ def discover(
     info = layout_from_node_keys(keys, rank, host)
     share = core_share(keys, [g[3] for g in gathered], rank)
     facts = [g[2] for g in gathered]
-    if not skip and isinstance(launcher, SrunLauncher):
-        infos = [layout_from_node_keys(keys, r, hosts[r]) for r in range(len(keys))]
-        check_srun_layout(facts, infos)
+    if not skip:
+        launcher.check_layout(facts, keys, hosts)
     names = {f.nodename for f in facts}
     nodes = None if None in names else len(names)
-    notes += allocation_warnings(slurm, launcher, mpi_comm.size, nodes)
+    notes += launcher.allocation_notes(slurm, mpi_comm.size, nodes)
     return Discovery(
         info, launcher, mpi_comm, library, version, slurm, hosts, tuple(notes), share
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 from .. import _env
 from ..errors import LaunchError
 from .base import Launcher, mpi_family
+from .slurm import notes_on_allocation
+from .slurm_facts import SlurmFacts
 
 _LIBMPI = {"mpich": "libmpich.so.12", "openmpi": "libmpi.so.40"}
 
@@ -18,7 +20,20 @@ def _first_line(library_version: str) -> str:
     return " ".join(lines[0].split())
 
 
-class OpenMPILauncher(Launcher):
+class MPILauncher(Launcher):
+    """A launcher of an MPI library. Inside a Slurm allocation it starts its ranks itself, so
+    its launch may leave some of the allocation idle, or start more ranks than it holds."""
+
+    def leftover_notes(self, mpi_library: str) -> list[str]:
+        return leftover_notes(self.env, self, mpi_library)
+
+    def allocation_notes(
+        self, slurm: SlurmFacts, world: int, nodes: int | None = None
+    ) -> list[str]:
+        return notes_on_allocation(slurm, f"{self.name} started {world} rank(s)", world, nodes)
+
+
+class OpenMPILauncher(MPILauncher):
     """`mpirun`/`mpiexec`/`prterun` of Open MPI (also when it runs its daemons inside Slurm)."""
 
     name = "Open MPI mpirun"
@@ -50,7 +65,7 @@ class OpenMPILauncher(Launcher):
         )
 
 
-class HydraLauncher(Launcher):
+class HydraLauncher(MPILauncher):
     """MPICH's (or Intel MPI's) hydra `mpiexec`. Sets MPI_LOCALRANKID, PMI_RANK and PMI_SIZE."""
 
     name = "MPICH hydra mpiexec"
@@ -83,7 +98,7 @@ class HydraLauncher(Launcher):
         )
 
 
-class PMILauncher(Launcher):
+class PMILauncher(MPILauncher):
     """Any other launcher that speaks PMI and says so in PMI_SIZE."""
 
     name = "PMI launcher"

@@ -7,12 +7,12 @@ raises the same error without another collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from .. import _env
 from .._env import Snapshot
 from ..errors import LaunchError
-from .base import Launcher, ProcessInfo, mpi_family
+from .base import Launcher, ProcessInfo, layout_from_node_keys, mpi_family
 from .slurm_facts import Runs, SlurmFacts, runs_of, runs_text
 
 SKIP_HINT = "(set MPACCEL_SKIP_LAUNCH_CHECKS=1 if this layout is intended)"
@@ -82,6 +82,14 @@ class SrunLauncher(Launcher):
             + SKIP_HINT
         )
 
+    # No allocation_notes: srun runs the allocation's own tasks, and check_layout compares
+    # the step with the world instead.
+    def check_layout(
+        self, slurm: Sequence[SlurmFacts], keys: Sequence[Hashable], hosts: Sequence[str]
+    ) -> None:
+        infos = [layout_from_node_keys(keys, r, hosts[r]) for r in range(len(keys))]
+        check_srun_layout(slurm, infos)
+
 
 class SlurmBatchShell(Launcher):
     """Python started directly in an sbatch script or salloc shell: one process, inside a job."""
@@ -94,6 +102,12 @@ class SlurmBatchShell(Launcher):
 
     def expected_world_size(self):
         return None
+
+    def allocation_notes(
+        self, slurm: SlurmFacts, world: int, nodes: int | None = None
+    ) -> list[str]:
+        how = "python ran directly in the batch script (or salloc's shell), not under srun"
+        return notes_on_allocation(slurm, how, world, nodes)
 
 
 def check_srun_layout(facts: Sequence[SlurmFacts], infos: Sequence[ProcessInfo]) -> None:
@@ -188,18 +202,22 @@ def _more_tasks_hint(world: int) -> str:
 def allocation_warnings(
     facts: SlurmFacts, launcher: Launcher, world: int, nodes: int | None = None
 ) -> list[str]:
-    """Suspicious but possibly intended layouts inside a Slurm job (warnings, not errors).
+    """What discovery warns about `launcher`'s launch of `world` processes (on `nodes` Slurm
+    nodes, if known) inside the Slurm job `facts` describe: its allocation_notes."""
+    return launcher.allocation_notes(facts, world, nodes)
+
+
+def notes_on_allocation(
+    facts: SlurmFacts, how: str, world: int, nodes: int | None = None
+) -> list[str]:
+    """Suspicious but possibly intended layouts inside a Slurm job (warnings, not errors), for
+    `world` processes that a launcher other than srun started (`how` it did, for the messages).
 
     `nodes`: on how many Slurm nodes (SLURMD_NODENAME) the world's processes run, if known.
-    Under srun, check_srun_layout compares the step with the world instead.
     """
     out: list[str] = []
-    if not facts.in_job or isinstance(launcher, SrunLauncher):
+    if not facts.in_job:
         return out
-    if isinstance(launcher, SlurmBatchShell):
-        how = "python ran directly in the batch script (or salloc's shell), not under srun"
-    else:
-        how = f"{launcher.name} started {world} rank(s)"
     tasks = _job_tasks(facts)
     if tasks is not None and world < tasks[0]:
         count, source, exact = tasks
