@@ -68,21 +68,19 @@ def import_mpi() -> Any:
     return MPI
 
 
-def load_mpi(launcher: Launcher) -> Any | None:
-    """import_mpi(), or None when there is no MPI and none is needed."""
-    try:
-        return import_mpi()
-    except (ImportError, RuntimeError) as exc:  # no libmpi (mpi4py 4 raises RuntimeError)
-        expected = launcher.expected_world_size()
-        if isinstance(launcher, SingleProcess) or not expected or expected == 1:
-            return None
-        raise LaunchError(
-            f"{launcher.name} started {expected} processes but mpi4py cannot load an MPI "
-            f"library: {exc}",
-            "install one into the environment (`pip install mpaccel[mpich]` or "
-            "`pip install mpich`), or point mpi4py at the cluster's: MPI4PY_LIBMPI=/path/to/"
-            "libmpi.so (`module load` the MPI your mpiexec belongs to).",
-        ) from exc
+def check_mpi_loaded(launcher: Launcher, missing: Exception) -> None:
+    """mpi4py could not load an MPI library (`missing` says why): fine for one process, a
+    LaunchError when `launcher` started several."""
+    expected = launcher.expected_world_size()
+    if not expected or expected == 1:
+        return
+    raise LaunchError(
+        f"{launcher.name} started {expected} processes but mpi4py cannot load an MPI "
+        f"library: {missing}",
+        "install one into the environment (`pip install mpaccel[mpich]` or "
+        "`pip install mpich`), or point mpi4py at the cluster's: MPI4PY_LIBMPI=/path/to/"
+        "libmpi.so (`module load` the MPI your mpiexec belongs to).",
+    ) from missing
 
 
 def init_mpi(MPI: Any) -> None:
@@ -146,9 +144,11 @@ class _LaunchVariables:
     progress_ms: float | None
 
     @classmethod
-    def parse(cls, env: _env.Snapshot) -> _LaunchVariables:
+    def parse(cls, env: _env.Snapshot, mpi_library: str | None) -> _LaunchVariables:
+        """`mpi_library`: what mpi4py loaded (None: no library), which decides between the
+        variables of two MPI launchers."""
         _env.check(env)  # every variable of the table, whoever reads it later
-        launcher = detect_launcher(env)
+        launcher = detect_launcher(env, mpi_library)
         launcher.expected_world_size()  # parses the launcher's count now, not after MPI_Init
         return cls(
             SlurmFacts.from_env(env),
@@ -174,9 +174,11 @@ def discover(
 ) -> Discovery:
     """Collective over COMM_WORLD: every process of the job must call this, once.
 
-    Initialises MPI (unless done before) after the checks that need no MPI world. After one
-    gather of every rank's facts come the launcher's own checks (Launcher.check_layout) and
-    warnings (leftover_notes, allocation_notes); MPACCEL_SKIP_LAUNCH_CHECKS skips the checks,
+    In this order: the MPI library is loaded without MPI_Init; the environment's variables
+    are checked, and the launcher detected, once, knowing the library; a PMIx launcher is
+    checked against the library; MPI_Init; the launcher's count against the world's size; one
+    gather of every rank's facts; then the launcher's own checks (Launcher.check_layout) and
+    warnings (leftover_notes, allocation_notes). MPACCEL_SKIP_LAUNCH_CHECKS skips the checks,
     not the warnings.
 
     A malformed variable on some ranks only is raised on every rank once MPI is up: raised
@@ -185,28 +187,33 @@ def discover(
     """
     env = _env.snapshot() if env is None else env
     host = socket.gethostname()
+    MPI: Any = None
+    missing: Exception | None = None
+    try:
+        MPI = import_mpi()
+    except (ImportError, RuntimeError) as exc:  # no libmpi (mpi4py 4 raises RuntimeError)
+        missing = exc
+    library = None if MPI is None else MPI.Get_library_version().strip()  # before MPI_Init too
     parsed: _LaunchVariables | None = None
     try:
-        parsed = _LaunchVariables.parse(env)
+        parsed = _LaunchVariables.parse(env, library)
     except (ConfigurationError, LaunchError) as exc:
         problem = problem or exc
-    MPI = load_mpi(parsed.launcher if parsed else SingleProcess(env))
+    launcher = parsed.launcher if parsed else SingleProcess(env)
     if MPI is None:
+        assert missing is not None
+        check_mpi_loaded(launcher, missing)
         if problem is not None:
             raise problem
         assert parsed is not None
         comm: Comm = NullComm(host, default_timeout)
         return Discovery(
-            ProcessInfo.single(host), parsed.launcher, comm, "no MPI library", None,
+            ProcessInfo.single(host), launcher, comm, "no MPI library", None,
             parsed.slurm, (host,),
         )
-    library = MPI.Get_library_version().strip()  # allowed before MPI_Init
+    assert library is not None
     version = MPI.Get_version()
-    notes: list[str] = []
-    launcher: Launcher = SingleProcess(env)
-    if parsed is not None:
-        launcher = detect_launcher(env, library)
-        notes = launcher.leftover_notes(library)
+    notes = launcher.leftover_notes(library)
     skip = parsed.skip_checks if parsed else False
     if not skip and not MPI.Is_initialized():
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from .. import _env
-from .._env import Snapshot
 from ..errors import LaunchError
 from .base import Launcher, ProcessInfo, layout_from_node_keys, mpi_family
 from .slurm_facts import Runs, SlurmFacts, runs_of, runs_text
@@ -53,12 +52,8 @@ class SrunLauncher(Launcher):
             _env.is_set("slurm_step_num_tasks", env) and _env.is_set("slurm_procid", env)
         )
 
-    def __init__(self, env: Snapshot) -> None:
-        super().__init__(env)
-        self.facts = SlurmFacts.from_env(env)
-
     def expected_world_size(self):
-        return self.facts.step_num_tasks
+        return _env.get_int("slurm_step_num_tasks", self.env)
 
     def size_variable(self):
         return "SLURM_STEP_NUM_TASKS"
@@ -66,12 +61,13 @@ class SrunLauncher(Launcher):
     def node_key(self):
         # Slurm's node, not the shared-memory domain: simulated nodes share one host, and on real
         # clusters the two agree. GPU binding and SLURM_LOCALID follow Slurm's node.
-        if self.facts.nodename is not None:
-            return self.facts.nodename
-        return self.facts.nodeid
+        nodename = _env.get("slurm_nodename", self.env)
+        if nodename is not None:
+            return nodename
+        return _env.get_int("slurm_nodeid", self.env)
 
     def singleton_hint(self, mpi_library):
-        return srun_mpi_hint(mpi_library, self.facts.mpi_type)
+        return srun_mpi_hint(mpi_library, _env.get("slurm_mpi_type", self.env))
 
     def mismatch_hint(self, mpi_library):
         return (
