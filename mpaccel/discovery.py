@@ -10,9 +10,9 @@ import os
 import socket
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _env
 from .comm import Comm, MPIComm, NullComm
@@ -158,6 +158,16 @@ class _LaunchVariables:
         )
 
 
+class RankFacts(NamedTuple):
+    """What each rank tells the others in discovery's one gather."""
+
+    node_key: Hashable  # the launcher's name for this rank's node, else its shared memory's
+    host: str
+    slurm: SlurmFacts
+    cores: frozenset[int]  # the CPUs this rank may run on
+    problem: MpaccelError | None  # this rank's launch or configuration mistake
+
+
 def core_share(keys: Sequence[Any], cores: Sequence[frozenset[int]], rank: int) -> int:
     """How many of `rank`'s CPUs are its own: each CPU it may use counts 1/k when k ranks of its
     node may use it. Ranks bound to CPUs of their own (srun --cpu-bind, --cpus-per-task) keep
@@ -177,9 +187,9 @@ def discover(
     In this order: the MPI library is loaded without MPI_Init; the environment's variables
     are checked, and the launcher detected, once, knowing the library; a PMIx launcher is
     checked against the library; MPI_Init; the launcher's count against the world's size; one
-    gather of every rank's facts; then the launcher's own checks (Launcher.check_layout) and
-    warnings (leftover_notes, allocation_notes). MPACCEL_SKIP_LAUNCH_CHECKS skips the checks,
-    not the warnings.
+    gather of every rank's RankFacts; then the launcher's own checks (Launcher.check_layout)
+    and warnings (leftover_notes, allocation_notes). MPACCEL_SKIP_LAUNCH_CHECKS skips the
+    checks, not the warnings.
 
     A malformed variable on some ranks only is raised on every rank once MPI is up: raised
     before MPI_Init on those ranks alone, it would leave the others waiting in MPI_Init.
@@ -248,25 +258,26 @@ def discover(
     key = launcher.node_key() if parsed else None
     # A rank's own launcher variables may disagree with the others' (a hand-made value): the
     # verdict is taken from everyone's, so every rank raises the same error and none waits.
-    gathered = mpi_comm.allgather(
-        (shm_key if key is None else key, host, slurm, _cores(), problem),
-        what="process discovery",
-    )
-    failed = [r for r, g in enumerate(gathered) if g[4] is not None]
+    mine = RankFacts(shm_key if key is None else key, host, slurm, _cores(), problem)
+    gathered: list[RankFacts] = mpi_comm.allgather(mine, what="process discovery")
+    failed = [r for r, g in enumerate(gathered) if g.problem is not None]
     if failed:
-        raise _named(gathered[failed[0]][4], failed, len(gathered), [g[1] for g in gathered])
+        first = gathered[failed[0]].problem
+        assert first is not None
+        raise _named(first, failed, len(gathered), [g.host for g in gathered])
     assert parsed is not None  # else this rank's problem was raised above
     if parsed.progress_ms is not None and parsed.progress_ms > 0:
         mpi_comm.keep_progressing(parsed.progress_ms / 1000.0)
-    keys = [g[0] for g in gathered]
-    hosts = tuple(g[1] for g in gathered)
+    keys = [g.node_key for g in gathered]
+    hosts = tuple(g.host for g in gathered)
+    cores = [g.cores for g in gathered]
     mpi_comm.hosts = hosts
     rank = mpi_comm.rank
-    if node_oversubscribed(keys, [g[3] for g in gathered], rank):
+    if node_oversubscribed(keys, cores, rank):
         mpi_comm.oversubscribed()
     info = layout_from_node_keys(keys, rank, host)
-    share = core_share(keys, [g[3] for g in gathered], rank)
-    facts = [g[2] for g in gathered]
+    share = core_share(keys, cores, rank)
+    facts = [g.slurm for g in gathered]
     if not skip:
         launcher.check_layout(facts, keys, hosts)
     names = {f.nodename for f in facts}
