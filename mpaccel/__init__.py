@@ -4,8 +4,7 @@ Importing mpaccel has no side effects: MPI is initialised, and torch.distributed
 first `PartialState()` / `Accelerator()`.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .accelerator import Accelerator
 from .data import skip_first_batches
 from .environments import ProcessInfo
