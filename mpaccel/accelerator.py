@@ -16,8 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, distributed, ops, tracking, training
-from . import slurm as slurm_support
+from . import checkpoint, distributed, ops, preemption, tracking, training
 from .data import PreparedLoader, skip_first_batches
 from .errors import ConfigurationError
 from .prepare import agreed_seed
@@ -180,7 +179,7 @@ class Accelerator:
         self._data_seed: int | None = dataloader_config.data_seed
         self._custom_objects: list[Any] = []
         self._async_saver = checkpoint.AsyncSaver()
-        self._preemption: slurm_support.Preemption | None = None
+        self._preemption: preemption.Preemption | None = None
         self._save_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
         self._load_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
 
@@ -992,14 +991,14 @@ class Accelerator:
     # -- preemption (Slurm) ----------------------------------------------------------------------
 
     def handle_preemption(
-        self, signals: Any = slurm_support.DEFAULT_SIGNALS, requeue: bool = True
+        self, signals: Any = preemption.DEFAULT_SIGNALS, requeue: bool = True
     ) -> None:
         """Not collective. From now on SIGUSR1/SIGTERM (Slurm's --signal, preemption, the
         wall-time limit) are only recorded; the loop then asks should_stop() at step
         boundaries and calls checkpoint_and_exit(). `requeue`: put the job back in the queue."""
         if self._preemption is not None:
             self._preemption.uninstall()
-        self._preemption = slurm_support.Preemption(signals, requeue)
+        self._preemption = preemption.Preemption(signals, requeue)
         self._preemption.install()
 
     def should_stop(self) -> bool:
@@ -1029,18 +1028,18 @@ class Accelerator:
         self._partial.comm.finalize()
         requeued = False
         if self.is_main_process and self._preemption is not None and self._preemption.requeue:
-            requeued = slurm_support.requeue()
+            requeued = preemption.requeue()
         self.print(
             f"mpaccel: checkpoint {directory} committed"
             + ("; job requeued" if requeued else "")
             + "; exiting"
         )
-        slurm_support.exit_cleanly(exit_code)
+        preemption.exit_cleanly(exit_code)
 
     @property
     def restart_count(self) -> int:
         """SLURM_RESTART_COUNT: 0 on the first run, n after n requeues."""
-        return slurm_support.restart_count()
+        return preemption.restart_count()
 
     @property
     def save_iteration(self) -> int:
