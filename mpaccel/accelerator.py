@@ -17,6 +17,20 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, ops, preemption, tracking, training
+from .config import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    DynamoBackend,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
 from .data import PreparedLoader, skip_first_batches
 from .errors import ConfigurationError
 from .prepare import agreed_seed
@@ -31,20 +45,6 @@ from .training import (
     make_grad_scaler,
     patch_forward,
     warn_fp16_on_cpu,
-)
-from .utils.dataclasses import (
-    AutocastKwargs,
-    DataLoaderConfiguration,
-    DistributedDataParallelKwargs,
-    DistributedType,
-    DynamoBackend,
-    GradientAccumulationPlugin,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandler,
-    ProfileKwargs,
-    ProjectConfiguration,
-    TorchDynamoPlugin,
 )
 from .utils.memory import release_memory
 
