@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from .device import send_to_device
 from .samplers import GeneratorReplay, ShardedBatchSampler, _Shares
-from .utils.operations import send_to_device
 from .utils.random import check_rng_types, rng_kind, synchronize_with
 
 __all__ = [

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .device import send_to_device
 from .errors import ConfigurationError
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,8 +105,6 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device)
     them. A fresh optimizer has no state: nothing to do."""
     if not optimizer.state:
         return
-    from .utils.operations import send_to_device
-
     optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
 
 
