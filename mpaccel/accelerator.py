@@ -32,6 +32,7 @@ from .config import (
     TorchDynamoPlugin,
 )
 from .data import PreparedLoader, skip_first_batches
+from .device import release_memory
 from .errors import ConfigurationError
 from .prepare import agreed_seed
 from .prepare import build as build_prepared
@@ -46,7 +47,6 @@ from .training import (
     patch_forward,
     warn_fp16_on_cpu,
 )
-from .utils.memory import release_memory
 
 
 def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, Any]:

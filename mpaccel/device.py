@@ -1,8 +1,9 @@
 """Which torch device a process uses: one GPU per local rank when CUDA is present, else the CPU;
-and putting things on it."""
+putting things on it, and giving back the memory its allocator caches."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -110,3 +111,24 @@ def send_to_device(
             }
         )
     return tensor
+
+
+def clear_device_cache(garbage_collection: bool = False) -> None:
+    """Return the memory torch's allocator caches on this machine's accelerator (CUDA, XPU,
+    MPS); `garbage_collection`: run gc.collect() first (slow)."""
+    if garbage_collection:
+        gc.collect()
+    for name in ("cuda", "xpu", "mps"):
+        module = getattr(torch, name, None)
+        available = getattr(module, "is_available", None)
+        if module is not None and available is not None and available():
+            module.empty_cache()
+
+
+def release_memory(*objects: Any) -> list[None]:
+    """`objects` replaced by None, after a garbage collection and emptying the device cache:
+    `a, b = release_memory(a, b)`. Not collective."""
+    released: list[None] = [None] * len(objects)
+    del objects
+    clear_device_cache(garbage_collection=True)
+    return released
