@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from .device import send_to_device
+from .rng import check_rng_types, rng_kind, synchronize_with
 from .samplers import GeneratorReplay, ShardedBatchSampler, _Shares
-from .utils.random import check_rng_types, rng_kind, synchronize_with
 
 __all__ = [
     "DataLoaderShard",
