@@ -610,8 +610,6 @@ class Accelerator:
                 )
             yield
             return
-        from torch.distributed.algorithms import Join
-
         changed = []
         if even_batches is not None:
             for loader in self._dataloaders:
@@ -637,9 +635,7 @@ class Accelerator:
                 stacklevel=3,
             )
         try:
-            # The DDP inside a compiled model is the Joinable
-            joinables = [distributed.ddp_of(j) or j for j in joinables]
-            with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
+            with distributed.join(joinables, enable=not even_batches):
                 yield
         finally:
             for sharding, value in changed:
