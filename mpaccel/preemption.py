@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import _env
+from .errors import with_hint
 
 DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
 
@@ -96,8 +97,12 @@ def requeue(env: _env.Snapshot | None = None) -> bool:
         return False
     if result.returncode != 0:
         warnings.warn(
-            f"scontrol requeue {job} failed: {result.stderr.strip()}. HINT: submit the job "
-            "with `#SBATCH --requeue`; the checkpoint was written, so resubmitting resumes.",
+            with_hint(
+                f"scontrol requeue {job} failed: {result.stderr.strip()}.",
+                "submit the job with `#SBATCH --requeue`; the checkpoint was written, so "
+                "resubmitting resumes.",
+                " ",
+            ),
             RuntimeWarning,
             stacklevel=2,
         )

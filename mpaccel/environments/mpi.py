@@ -7,7 +7,7 @@ each other. When the two disagree, the HINT says which half to change.
 from __future__ import annotations
 
 from .. import _env
-from ..errors import LaunchError
+from ..errors import LaunchError, with_hint
 from .base import Launcher, mpi_family
 from .slurm import notes_on_allocation
 from .slurm_facts import SlurmFacts
@@ -132,15 +132,15 @@ def leftover_notes(env: _env.Snapshot, launcher: Launcher, mpi_library: str) -> 
         variable = _env.source_name(logical, env)
         if family in cls.families or variable is None:
             continue
-        notes.append(
+        message = (
             f"{variable}={_env.get(logical, env)!r} is set as if {cls.name} had started this "
             f"process, but {launcher.name} did ({launcher.size_variable()}="
             f"{launcher.expected_world_size()}; mpi4py loaded {_first_line(mpi_library)!r}): "
             f"{variable} was left over from another launch (exported by hand, or inherited by an "
             "mpiexec started from inside another MPI job). mpaccel ignores it; code that reads "
-            f"it (Accelerate's MPI detection does) takes a wrong rank or size. HINT: unset "
-            f"{variable} and {siblings} before launching."
+            "it (Accelerate's MPI detection does) takes a wrong rank or size."
         )
+        notes.append(with_hint(message, f"unset {variable} and {siblings} before launching.", " "))
     return notes
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from .. import _env
-from ..errors import LaunchError
+from ..errors import LaunchError, with_hint
 from .base import Launcher, ProcessInfo, layout_from_node_keys, mpi_family
 from .slurm_facts import Runs, SlurmFacts, runs_of, runs_text
 
@@ -183,15 +183,15 @@ def _job_tasks(facts: SlurmFacts) -> tuple[int, str, bool] | None:
 
 
 WHOLE_ALLOCATION_HINT = (
-    "HINT: use `srun --mpi=pmi2 python ...` (MPICH), or `mpiexec python ...` without -n: inside "
-    "an allocation, MPICH's mpiexec and Open MPI's mpirun start one rank per Slurm task."
+    "use `srun --mpi=pmi2 python ...` (MPICH), or `mpiexec python ...` without -n: inside an "
+    "allocation, MPICH's mpiexec and Open MPI's mpirun start one rank per Slurm task."
 )
 
 
 def _more_tasks_hint(world: int) -> str:
     return (
-        f"HINT: ask Slurm for {world} tasks (`sbatch -n {world}` / `salloc -n {world}`), or omit "
-        "-n from mpiexec to start one rank per Slurm task."
+        f"ask Slurm for {world} tasks (`sbatch -n {world}` / `salloc -n {world}`), or omit -n "
+        "from mpiexec to start one rank per Slurm task."
     )
 
 
@@ -218,32 +218,35 @@ def notes_on_allocation(
     if tasks is not None and world < tasks[0]:
         count, source, exact = tasks
         has = f"has {count} tasks" if exact else f"asked for up to {count} tasks"
-        out.append(
+        message = (
             f"this Slurm job {has} ({source}) but only {world} process(es) joined the MPI "
-            f"world: {how}. {WHOLE_ALLOCATION_HINT}"
+            f"world: {how}."
         )
+        out.append(with_hint(message, WHOLE_ALLOCATION_HINT, " "))
     elif nodes is not None and facts.job_num_nodes is not None and nodes < facts.job_num_nodes:
-        out.append(
+        message = (
             f"this Slurm job has {facts.job_num_nodes} nodes (SLURM_JOB_NUM_NODES) but its "
             f"{world} MPI process(es) run on {nodes} of them: {how}, and the other node(s) "
-            f"stay idle. {WHOLE_ALLOCATION_HINT}"
+            "stay idle."
         )
+        out.append(with_hint(message, WHOLE_ALLOCATION_HINT, " "))
     cpus = sum(count * repeat for count, repeat in facts.job_cpus_per_node)
     per_task = facts.cpus_per_task or 1
     if tasks is not None and world > tasks[0]:
         count, source, exact = tasks
         has = f"has {count} tasks" if exact else f"asked for at most {count} tasks"
-        out.append(
+        message = (
             f"{how}, but this Slurm job {has} ({source}): its CPUs (and GPUs) were allocated "
-            f"for fewer processes. {_more_tasks_hint(world)}"
+            "for fewer processes."
         )
+        out.append(with_hint(message, _more_tasks_hint(world), " "))
     elif cpus and world * per_task > cpus:
         need = f"{world} rank(s)"
         if facts.cpus_per_task:
             need += f" x {per_task} CPUs (SLURM_CPUS_PER_TASK={facts.cpus_per_task})"
-        out.append(
+        message = (
             f"{how}, but this Slurm job holds {cpus} CPU(s) (SLURM_JOB_CPUS_PER_NODE="
-            f"{runs_text(facts.job_cpus_per_node)}), fewer than {need}: the ranks share "
-            f"CPUs. {_more_tasks_hint(world)}"
+            f"{runs_text(facts.job_cpus_per_node)}), fewer than {need}: the ranks share CPUs."
         )
+        out.append(with_hint(message, _more_tasks_hint(world), " "))
     return out
