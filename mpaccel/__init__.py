@@ -15,6 +15,7 @@ from .errors import (
     ConfigurationError,
     LaunchError,
     MpaccelError,
+    MpaccelWarning,
 )
 from .state import AcceleratorState, GradientState, PartialState
 from .utils import (
@@ -54,6 +55,7 @@ __all__ = [
     "InitProcessGroupKwargs",
     "LaunchError",
     "MpaccelError",
+    "MpaccelWarning",
     "PartialState",
     "ProcessInfo",
     "ProjectConfiguration",

@@ -33,7 +33,7 @@ from .config import (
 )
 from .data import PreparedLoader, skip_first_batches
 from .device import release_memory
-from .errors import ConfigurationError
+from .errors import ConfigurationError, MpaccelRuntimeWarning, MpaccelWarning
 from .prepare import agreed_seed
 from .prepare import build as build_prepared
 from .samplers import ShardedBatchSampler
@@ -605,7 +605,7 @@ class Accelerator:
                     f"joining uneven inputs is only supported for multi-GPU and multi-CPU "
                     f"DistributedDataParallel training, not {self.distributed_type}: "
                     f"join_uneven_inputs has no effect",
-                    UserWarning,
+                    MpaccelWarning,
                     stacklevel=3,
                 )
             yield
@@ -620,7 +620,7 @@ class Accelerator:
                 warnings.warn(
                     "overriding even_batches in join_uneven_inputs is only supported for "
                     "map-style datasets; the loaders of iterable datasets keep their setting",
-                    UserWarning,
+                    MpaccelWarning,
                     stacklevel=3,
                 )
         else:
@@ -631,7 +631,7 @@ class Accelerator:
                 "synchronises gradients at its last batch while the others are inside no_sync, "
                 "and DDP's all-reduces then no longer pair up (the job waits until the "
                 "timeout); accumulate only where every rank has the same number of batches",
-                RuntimeWarning,
+                MpaccelRuntimeWarning,
                 stacklevel=3,
             )
         try:

@@ -25,7 +25,7 @@ from .environments import (
     layout_from_node_keys,
 )
 from .environments.mpi import check_pmix_before_init
-from .errors import ConfigurationError, LaunchError, MpaccelError
+from .errors import ConfigurationError, LaunchError, MpaccelError, MpaccelRuntimeWarning
 
 
 @dataclass(frozen=True)
@@ -303,4 +303,4 @@ def _named(
 def emit_warnings(discovery: Discovery) -> None:
     if discovery.info.is_main_process:
         for note in discovery.warnings:
-            warnings.warn(note, RuntimeWarning, stacklevel=3)
+            warnings.warn(note, MpaccelRuntimeWarning, stacklevel=3)

@@ -1,4 +1,4 @@
-"""mpaccel's exceptions. Each message says what went wrong and ends with a HINT to
+"""mpaccel's exceptions and warnings. Each message says what went wrong and ends with a HINT to
 act on, written by with_hint()."""
 
 from __future__ import annotations
@@ -11,6 +11,17 @@ def with_hint(message: str, hint: str | None, separator: str = "\n") -> str:
     mpaccel writes a HINT. Errors give it a line of its own; warnings, which are one line,
     pass separator=" "."""
     return message if hint is None else f"{message}{separator}HINT: {hint}"
+
+
+class MpaccelWarning(UserWarning):
+    """Base class of every warning mpaccel emits, so that one filter takes them all:
+    warnings.filterwarnings("ignore", category=mpaccel.MpaccelWarning)."""
+
+
+class MpaccelRuntimeWarning(MpaccelWarning, RuntimeWarning):
+    """A warning about how the job runs (a launch that leaves part of a Slurm allocation idle,
+    a block that may hang, a requeue Slurm refused). Also a RuntimeWarning, the category these
+    warnings had before mpaccel had its own, so filters written for that still match."""
 
 
 class MpaccelError(Exception):

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, MpaccelRuntimeWarning
 
 
 class GeneralTracker:
@@ -93,7 +93,7 @@ class TensorBoardTracker(GeneralTracker):
                 warnings.warn(
                     f"tensorboard cannot log {key!r}={value!r:.80}: skipped (it logs numbers, "
                     "one-element tensors, strings, and dicts of numbers)",
-                    RuntimeWarning,
+                    MpaccelRuntimeWarning,
                     stacklevel=3,
                 )
         self.writer.flush()
