@@ -16,24 +16,8 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, distributed, ops, tracking, training
-from . import slurm as slurm_support
-from .data import PreparedLoader, skip_first_batches
-from .errors import ConfigurationError
-from .prepare import agreed_seed
-from .prepare import build as build_prepared
-from .samplers import ShardedBatchSampler
-from .state import AcceleratorState, GradientState, PartialState
-from .training import (
-    AcceleratedOptimizer,
-    AcceleratedScheduler,
-    autocast_context,
-    compile_model,
-    make_grad_scaler,
-    patch_forward,
-    warn_fp16_on_cpu,
-)
-from .utils.dataclasses import (
+from . import checkpoint, distributed, ops, preemption, tracking, training
+from .config import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -47,7 +31,22 @@ from .utils.dataclasses import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from .utils.memory import release_memory
+from .data import PreparedLoader, skip_first_batches
+from .device import release_memory
+from .errors import ConfigurationError, MpaccelRuntimeWarning, MpaccelWarning
+from .prepare import agreed_seed
+from .prepare import build as build_prepared
+from .samplers import ShardedBatchSampler
+from .state import AcceleratorState, GradientState, PartialState
+from .training import (
+    AcceleratedOptimizer,
+    AcceleratedScheduler,
+    autocast_context,
+    compile_model,
+    make_grad_scaler,
+    patch_forward,
+    warn_fp16_on_cpu,
+)
 
 
 def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, Any]:
@@ -180,7 +179,7 @@ class Accelerator:
         self._data_seed: int | None = dataloader_config.data_seed
         self._custom_objects: list[Any] = []
         self._async_saver = checkpoint.AsyncSaver()
-        self._preemption: slurm_support.Preemption | None = None
+        self._preemption: preemption.Preemption | None = None
         self._save_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
         self._load_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
 
@@ -610,13 +609,11 @@ class Accelerator:
                     f"joining uneven inputs is only supported for multi-GPU and multi-CPU "
                     f"DistributedDataParallel training, not {self.distributed_type}: "
                     f"join_uneven_inputs has no effect",
-                    UserWarning,
+                    MpaccelWarning,
                     stacklevel=3,
                 )
             yield
             return
-        from torch.distributed.algorithms import Join
-
         changed = []
         if even_batches is not None:
             for loader in self._dataloaders:
@@ -627,7 +624,7 @@ class Accelerator:
                 warnings.warn(
                     "overriding even_batches in join_uneven_inputs is only supported for "
                     "map-style datasets; the loaders of iterable datasets keep their setting",
-                    UserWarning,
+                    MpaccelWarning,
                     stacklevel=3,
                 )
         else:
@@ -638,13 +635,11 @@ class Accelerator:
                 "synchronises gradients at its last batch while the others are inside no_sync, "
                 "and DDP's all-reduces then no longer pair up (the job waits until the "
                 "timeout); accumulate only where every rank has the same number of batches",
-                RuntimeWarning,
+                MpaccelRuntimeWarning,
                 stacklevel=3,
             )
         try:
-            # The DDP inside a compiled model is the Joinable
-            joinables = [distributed.ddp_of(j) or j for j in joinables]
-            with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
+            with distributed.join(joinables, enable=not even_batches):
                 yield
         finally:
             for sharding, value in changed:
@@ -996,14 +991,14 @@ class Accelerator:
     # -- preemption (Slurm) ----------------------------------------------------------------------
 
     def handle_preemption(
-        self, signals: Any = slurm_support.DEFAULT_SIGNALS, requeue: bool = True
+        self, signals: Any = preemption.DEFAULT_SIGNALS, requeue: bool = True
     ) -> None:
         """Not collective. From now on SIGUSR1/SIGTERM (Slurm's --signal, preemption, the
         wall-time limit) are only recorded; the loop then asks should_stop() at step
         boundaries and calls checkpoint_and_exit(). `requeue`: put the job back in the queue."""
         if self._preemption is not None:
             self._preemption.uninstall()
-        self._preemption = slurm_support.Preemption(signals, requeue)
+        self._preemption = preemption.Preemption(signals, requeue)
         self._preemption.install()
 
     def should_stop(self) -> bool:
@@ -1033,18 +1028,18 @@ class Accelerator:
         self._partial.comm.finalize()
         requeued = False
         if self.is_main_process and self._preemption is not None and self._preemption.requeue:
-            requeued = slurm_support.requeue()
+            requeued = preemption.requeue()
         self.print(
             f"mpaccel: checkpoint {directory} committed"
             + ("; job requeued" if requeued else "")
             + "; exiting"
         )
-        slurm_support.exit_cleanly(exit_code)
+        preemption.exit_cleanly(exit_code)
 
     @property
     def restart_count(self) -> int:
         """SLURM_RESTART_COUNT: 0 on the first run, n after n requeues."""
-        return slurm_support.restart_count()
+        return preemption.restart_count()
 
     @property
     def save_iteration(self) -> int:

@@ -17,11 +17,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from . import __version__, _env
+from . import _env
+from ._version import __version__
 from .device import select_device
 from .discovery import discover, import_mpi
 from .environments import SlurmFacts, detect_launcher
-from .environments.slurm import runs_text
+from .environments.slurm_facts import runs_text
 from .errors import MpaccelError
 
 Facts = dict[str, Any]

@@ -14,6 +14,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -344,6 +345,17 @@ def ddp_of(model: Any) -> Any:
     while not is_ddp(model) and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
         model = model._orig_mod
     return model if is_ddp(model) else None
+
+
+def join(joinables: list[Any], enable: bool = True) -> AbstractContextManager[Any]:
+    """torch.distributed's Join around a block: collective in effect (every rank enters it).
+    The Joinables (DDP models) of a rank that ran out of inputs keep answering the others'
+    collectives until every rank has left the block. A compiled model's Joinable is the DDP
+    inside it. `enable=False`: the block runs as it is."""
+    from torch.distributed.algorithms import Join
+
+    inner = [ddp_of(j) or j for j in joinables]
+    return Join(inner, enable=enable, throw_on_early_termination=False)
 
 
 def register_comm_hook(

@@ -20,18 +20,18 @@ import torch
 
 from . import _env, distributed
 from .comm import Comm
-from .device import check_gpus_not_shared, current_device
-from .discovery import Discovery, discover, emit_warnings
-from .environments import ProcessInfo
-from .errors import CollectiveError, ConfigurationError, MpaccelError
-from .split import split_inputs
-from .utils.dataclasses import (
+from .config import (
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
     as_timedelta,
 )
+from .device import check_gpus_not_shared, current_device
+from .discovery import Discovery, discover, emit_warnings
+from .environments import ProcessInfo
+from .errors import CollectiveError, ConfigurationError, MpaccelError
+from .split import split_inputs
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, like torch.distributed's default; MPACCEL_TIMEOUT overrides
 

@@ -49,7 +49,7 @@ pytest_stage size-1 -- tests
 pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- tests/test_process_control.py tests/test_training.py \
   tests/test_checkpoint.py tests/test_checkpoint_sink.py tests/test_checkpoint_format.py \
   tests/test_data.py tests/test_device.py \
-  tests/test_spec_examples.py tests/test_discovery.py tests/test_env.py
+  tests/test_spec_examples.py tests/test_discovery.py tests/test_distributed.py tests/test_env.py
 pytest_stage mpich-n2 "$MPIEXEC" -n 2 -- tests
 pytest_stage mpich-n4 "$MPIEXEC" -n 4 -- tests
 if [ "${SKIP_OPENMPI:-0}" != 1 ]; then

@@ -13,6 +13,7 @@ import threading
 import warnings
 from typing import Any
 
+from ..errors import MpaccelRuntimeWarning
 from ..logging import get_logger
 from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError, flatten, parse_size, unflatten
@@ -271,7 +272,7 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
     if async_save and not _threads_ok():
         warnings.warn(
             "async_save needs MPI_THREAD_MULTIPLE; saving synchronously",
-            RuntimeWarning,
+            MpaccelRuntimeWarning,
             stacklevel=3,
         )
         async_save = False
@@ -427,7 +428,7 @@ def load_state(
             warnings.warn(
                 f"{what} failed, and not everything could be given back the state it had: "
                 + "; ".join(problems),
-                RuntimeWarning,
+                MpaccelRuntimeWarning,
                 stacklevel=3,
             )
         raise
@@ -438,7 +439,7 @@ def load_state(
     if number is not None:
         config.iteration = number + 1
     for note in loaded.notes if accelerator.is_main_process else []:
-        warnings.warn(note, RuntimeWarning, stacklevel=3)
+        warnings.warn(note, MpaccelRuntimeWarning, stacklevel=3)
     for warning in loaded.warnings:
-        warnings.warn(warning, RuntimeWarning, stacklevel=3)
+        warnings.warn(warning, MpaccelRuntimeWarning, stacklevel=3)
     return named[0] or ""

@@ -30,8 +30,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..comm import Comm
+from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .format import (
     FORMAT_NAME,
@@ -169,7 +170,7 @@ def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dic
                     warnings.warn(
                         f"{what}: the value at {where!r} differs between rank 0 and rank {rank}; "
                         "the checkpoint holds rank 0's",
-                        RuntimeWarning,
+                        MpaccelRuntimeWarning,
                         stacklevel=4,
                     )
                     break

@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from ..errors import MpaccelRuntimeWarning
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -105,6 +107,6 @@ def numbers_only(tracker: str, values: Mapping[str, Any]) -> dict[str, int | flo
 def skipped(tracker: str, key: str, value: Any, takes: str) -> None:
     warnings.warn(
         f"{tracker} cannot log {key!r} (a {type(value).__name__}): skipped; it logs {takes}",
-        RuntimeWarning,
+        MpaccelRuntimeWarning,
         stacklevel=4,
     )

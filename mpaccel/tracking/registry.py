@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, MpaccelWarning, with_hint
 from .base import GeneralTracker
 from .files import AimTracker, DVCLiveTracker, TensorBoardTracker
 from .services import (
@@ -79,6 +79,7 @@ def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
         warnings.warn(
             f"register_tracker_class: {tracker_class!r} replaces the tracker named "
             f"{tracker_class.name!r}",
+            MpaccelWarning,
             stacklevel=2,
         )
     LOGGER_TYPE_TO_CLASS[tracker_class.name] = tracker_class
@@ -126,9 +127,13 @@ def _warn_missing(name: str) -> None:
     _warned.add(name)
     package = " or ".join(_PACKAGES[name])
     warnings.warn(
-        f"log_with={name!r}: the {package} package is not installed, so nothing is logged to "
-        f"{name} (training goes on). HINT: pip install {_PACKAGES[name][0]}",
-        UserWarning,
+        with_hint(
+            f"log_with={name!r}: the {package} package is not installed, so nothing is logged "
+            f"to {name} (training goes on).",
+            f"pip install {_PACKAGES[name][0]}",
+            separator=" ",
+        ),
+        MpaccelWarning,
         stacklevel=4,
     )
 

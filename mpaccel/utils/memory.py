@@ -4,13 +4,12 @@ which retries a function with smaller batches after an out-of-memory error, ever
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from ..device import clear_device_cache as clear_device_cache
+from ..device import release_memory as release_memory
 from ..errors import ConfigurationError
 
 # What torch's allocators say when memory runs out (CUDA/HIP/XPU, MPS, CPU, Gaudi), and cuDNN's
@@ -22,27 +21,6 @@ _OUT_OF_MEMORY = (
     "DefaultCPUAllocator: can't allocate memory",
     "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",
 )
-
-
-def clear_device_cache(garbage_collection: bool = False) -> None:
-    """Return the memory torch's allocator caches on this machine's accelerator (CUDA, XPU,
-    MPS); `garbage_collection`: run gc.collect() first (slow)."""
-    if garbage_collection:
-        gc.collect()
-    for name in ("cuda", "xpu", "mps"):
-        module = getattr(torch, name, None)
-        available = getattr(module, "is_available", None)
-        if module is not None and available is not None and available():
-            module.empty_cache()
-
-
-def release_memory(*objects: Any) -> list[None]:
-    """`objects` replaced by None, after a garbage collection and emptying the device cache:
-    `a, b = release_memory(a, b)`. Not collective."""
-    released: list[None] = [None] * len(objects)
-    del objects
-    clear_device_cache(garbage_collection=True)
-    return released
 
 
 def should_reduce_batch_size(exception: BaseException) -> bool:
