@@ -200,7 +200,11 @@ class Accelerator:
 
     @property
     def _partial(self) -> PartialState:
-        return self.state._partial
+        # Still the process's PartialState after AcceleratorState._reset_state(), as with
+        # Accelerate: process facts and control answer then (its test scripts reset and then
+        # ask is_local_main_process); the configuration (device, mixed precision) does not.
+        partial = getattr(self.state, "_partial", None)
+        return partial if partial is not None else PartialState()
 
     @property
     def device(self) -> torch.device:

@@ -452,8 +452,9 @@ _ENGINES = {
 
 
 def _partials(name: str) -> property:
-    """A read-only property that is PartialState's of that name."""
-    return property(lambda self: getattr(self._partial, name), doc=f"PartialState.{name}")
+    """A read-only property that is PartialState's of that name (the process's PartialState,
+    so that it still answers after AcceleratorState._reset_state(), as Accelerate's does)."""
+    return property(lambda self: getattr(PartialState(), name), doc=f"PartialState.{name}")
 
 
 class AcceleratorState:
@@ -557,14 +558,16 @@ class AcceleratorState:
 
     # The process-control methods and facts Accelerate's AcceleratorState has are defined here,
     # so that the class has them (help, inspect.signature, hasattr on the class); the rest of
-    # PartialState's surface is reached through __getattr__.
+    # PartialState's surface is reached through __getattr__. As Accelerate's, they ask the
+    # process's PartialState, not this state's: they keep working after _reset_state() (its
+    # scripts reset, then call accelerator.is_local_main_process or state.destroy_process_group).
     def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
         """Collective; see PartialState.wait_for_everyone."""
-        self._partial.wait_for_everyone(timeout)
+        PartialState().wait_for_everyone(timeout)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """See PartialState.print."""
-        self._partial.print(*args, **kwargs)
+        PartialState().print(*args, **kwargs)
 
     use_distributed = _partials("use_distributed")
     is_main_process = _partials("is_main_process")
@@ -574,21 +577,21 @@ class AcceleratorState:
 
     def destroy_process_group(self, group: Any = None) -> None:
         """See PartialState.destroy_process_group."""
-        self._partial.destroy_process_group(group)
+        PartialState().destroy_process_group(group)
 
     def main_process_first(self) -> AbstractContextManager[None]:
         """Collective; see PartialState.main_process_first."""
-        return self._partial.main_process_first()
+        return PartialState().main_process_first()
 
     def local_main_process_first(self) -> AbstractContextManager[None]:
         """Collective; see PartialState.local_main_process_first."""
-        return self._partial.local_main_process_first()
+        return PartialState().local_main_process_first()
 
     def split_between_processes(
         self, inputs: Any, apply_padding: bool = False
     ) -> AbstractContextManager[Any]:
         """Not collective; see PartialState.split_between_processes."""
-        return self._partial.split_between_processes(inputs, apply_padding)
+        return PartialState().split_between_processes(inputs, apply_padding)
 
     @property
     def initialized(self) -> bool:

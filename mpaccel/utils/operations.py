@@ -41,6 +41,13 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     return ops.broadcast_object_list(_comm(), object_list, from_process)
 
 
+def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor one rank passes (the others pass None) on every rank's device; see ops."""
+    from ..state import PartialState
+
+    return ops.copy_tensor_to_devices(_comm(), tensor, PartialState().device)
+
+
 def pad_across_processes(
     tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
 ) -> Any:
