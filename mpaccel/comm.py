@@ -38,7 +38,6 @@ from .errors import (
 # Tags on the diagnostics communicator (a duplicate, so user traffic never matches ours).
 _TAG_QUERY = 7301
 _TAG_REPLY = 7302
-_TAG_ALERT = 7303
 _TAG_PROGRESS = 7304  # probed by ProgressThread, never sent
 
 # Waiting has three phases. Spin: test in a tight loop (everyone is there: raw-MPI latency).
@@ -62,59 +61,12 @@ def _failure_of(rank: int, host: str, exc: BaseException) -> RankFailure:
     return RankFailure(rank, host, type(exc).__name__, str(exc), tb)
 
 
-class Alerts:
-    """Out-of-band "rank r failed" notices, so ranks waiting in a collective that the failed rank
-    will never join can give up at once. Used by the pytest plugin; off otherwise."""
+class AlertSource(Protocol):
+    """Notices that a rank failed (the pytest plugin's `mpaccel.testing.alerts.Alerts`)."""
 
-    def __init__(self, world: Any) -> None:
-        from mpi4py import MPI
+    def waiting(self) -> bool: ...
 
-        self._MPI = MPI
-        self._comm = world.Dup()
-        self.rank = self._comm.Get_rank()
-        self.size = self._comm.Get_size()
-        self._pending: list[Any] = []
-        self._seen: dict[int, int] = {}
-
-    def post(self, text: str) -> None:
-        """Not collective: tell every other rank that this one failed."""
-        for r in range(self.size):
-            if r != self.rank:
-                self._pending.append(self._comm.isend((self.rank, text), dest=r, tag=_TAG_ALERT))
-
-    def waiting(self) -> bool:
-        """Not collective: whether an alert has arrived (poll() would return it)."""
-        return bool(self._comm.Iprobe(self._MPI.ANY_SOURCE, _TAG_ALERT))
-
-    def poll(self) -> tuple[int, str] | None:
-        """Not collective: the next alert that arrived, if any."""
-        status = self._MPI.Status()
-        if not self._comm.Iprobe(self._MPI.ANY_SOURCE, _TAG_ALERT, status):
-            return None
-        rank, text = self._comm.recv(source=status.Get_source(), tag=_TAG_ALERT)
-        self._seen[rank] = self._seen.get(rank, 0) + 1
-        return rank, text
-
-    def drain(self, failed_ranks: Sequence[int]) -> None:
-        """Collective in effect: consume exactly one alert from each rank in `failed_ranks`."""
-        for rank in failed_ranks:
-            if rank == self.rank:
-                continue
-            if self._seen.get(rank, 0) > 0:
-                self._seen[rank] -= 1
-            else:
-                self._comm.recv(source=rank, tag=_TAG_ALERT)
-        self._MPI.Request.Waitall(self._pending)
-        self._pending = []
-
-
-_alerts: Alerts | None = None
-
-
-def install_alerts(alerts: Alerts | None) -> None:
-    """Make every MPIComm give up waiting when an alert arrives (pytest plugin)."""
-    global _alerts
-    _alerts = alerts
+    def poll(self) -> tuple[int, str] | None: ...
 
 
 class Comm(Protocol):
@@ -306,6 +258,7 @@ class MPIComm:
         self._persistent: dict[str, Any] = {}
         self._set_up_persistent()
         self.progress: ProgressThread | None = None
+        self._alerts: AlertSource | None = None
         self._end: Any = None
         if self.probe_after is not None and self.size > 1:
             self._end = comm.Dup()
@@ -431,7 +384,7 @@ class MPIComm:
         pause = 2e-5
         while not test():
             self._answer_queries()
-            if _alerts is not None and self.interruptible and _alerts.waiting():
+            if self._alerts is not None and self._alerts.waiting():
                 if test():  # done after all: the alert is about a later collective
                     break
                 self._check_alerts(what)
@@ -452,9 +405,15 @@ class MPIComm:
             pause = min(pause * 1.5, _MAX_SLEEP)
         self._current = None
 
+    def listen(self, alerts: AlertSource | None) -> None:
+        """Not collective. Give up waiting in a collective, with PeerFailedError, when `alerts`
+        says a rank failed (the pytest plugin hands its alerts to the job's communicator; None
+        stops listening). A communicator made with interruptible=False never listens."""
+        self._alerts = alerts if self.interruptible else None
+
     def _check_alerts(self, what: str) -> None:
-        assert _alerts is not None
-        alert = _alerts.poll()
+        assert self._alerts is not None
+        alert = self._alerts.poll()
         if alert is None:
             return
         rank, text = alert
