@@ -1,4 +1,4 @@
-"""The control plane: who is here, has anyone asked to stop. Host-side MPI, never the GPU.
+"""MPIComm: the control plane over MPI. Host-side, never the GPU.
 
 `MPIComm` is a thin adapter over an mpi4py communicator whose every collective is non-blocking
 and polled: a short spin keeps latency at raw-MPI level when everyone is already there, then
@@ -6,9 +6,6 @@ yielding and finally sleeping free the CPU (MPICH's blocking calls busy-poll, st
 the rank that is still working) and let Python run signal handlers. Each call has a deadline; on
 expiry the waiting ranks ask each other where they are and raise one error naming the ranks that
 never came.
-
-`NullComm` is the size-1 world: the same interface, identities for collectives, so callers never
-branch on "am I distributed".
 """
 
 from __future__ import annotations
@@ -18,15 +15,13 @@ import math
 import os
 import pickle
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from .errors import (
+from ..errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -34,11 +29,12 @@ from .errors import (
     PeerFailedError,
     RankFailure,
 )
+from .base import failure_of
+from .progress import ProgressThread
 
 # Tags on the diagnostics communicator (a duplicate, so user traffic never matches ours).
 _TAG_QUERY = 7301
 _TAG_REPLY = 7302
-_TAG_PROGRESS = 7304  # probed by ProgressThread, never sent
 
 # Waiting has three phases. Spin: test in a tight loop (everyone is there: raw-MPI latency).
 # Yield: test, then sched_yield() so a rank that shares this core and still works (more ranks
@@ -53,13 +49,6 @@ _MAX_SLEEP = 1e-3  # cap of the growing sleep: bounds the wake-up latency of a l
 # where it is: see MPIComm._check_divergence.
 _PROBE_AFTER = 5.0
 
-_OPS = {"max", "min", "sum"}
-
-
-def _failure_of(rank: int, host: str, exc: BaseException) -> RankFailure:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return RankFailure(rank, host, type(exc).__name__, str(exc), tb)
-
 
 class AlertSource(Protocol):
     """Notices that a rank failed (the pytest plugin's `mpaccel.testing.alerts.Alerts`)."""
@@ -67,162 +56,6 @@ class AlertSource(Protocol):
     def waiting(self) -> bool: ...
 
     def poll(self) -> tuple[int, str] | None: ...
-
-
-class Comm(Protocol):
-    """What mpaccel needs from a communicator. Every method is collective unless noted."""
-
-    rank: int
-    size: int
-    hosts: Sequence[str]
-
-    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None: ...
-
-    def allreduce(
-        self, value: int, op: str = "max", what: str = "allreduce", timeout: float | None = None
-    ) -> int: ...
-
-    def allgather(
-        self, obj: Any, what: str = "allgather", timeout: float | None = None
-    ) -> list[Any]: ...
-
-    def bcast(
-        self, obj: Any, root: int = 0, what: str = "bcast", timeout: float | None = None
-    ) -> Any: ...
-
-    def scatter(
-        self,
-        objs: Sequence[Any] | None,
-        root: int = 0,
-        what: str = "scatter",
-        timeout: float | None = None,
-    ) -> Any:
-        """Rank r gets `objs[r]` of the root (`objs`, one per rank, is read on the root only)."""
-        ...
-
-    def agree(
-        self,
-        error: BaseException | None,
-        what: str,
-        timeout: float | None = None,
-        kind: type[CollectiveError] = CollectiveError,
-    ) -> None:
-        """Raise the same CollectiveError (or `kind`, a subclass) on every rank if `error` is
-        set on any rank."""
-        ...
-
-    def abort(self, code: int = 1) -> None:
-        """Not collective: end the whole job now."""
-        ...
-
-    def finalize(self) -> None:
-        """Collective: shut MPI down (nothing may use it afterwards)."""
-        ...
-
-
-class NullComm:
-    """The world of one process. Collectives are identities; errors still come out collective."""
-
-    rank = 0
-    size = 1
-
-    def __init__(self, host: str = "localhost", default_timeout: float = 1800.0) -> None:
-        self.hosts: Sequence[str] = (host,)
-        self.default_timeout = default_timeout
-
-    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
-        return None
-
-    def allreduce(
-        self, value: int, op: str = "max", what: str = "allreduce", timeout: float | None = None
-    ) -> int:
-        if op not in _OPS:
-            raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(_OPS)}")
-        return int(value)
-
-    def allgather(self, obj: Any, what: str = "allgather", timeout: float | None = None) -> list:
-        return [obj]
-
-    def bcast(self, obj: Any, root: int = 0, what: str = "bcast", timeout=None) -> Any:
-        if root != 0:
-            raise ValueError(f"root {root} out of range for a world of size 1")
-        return obj
-
-    def scatter(
-        self,
-        objs: Sequence[Any] | None,
-        root: int = 0,
-        what: str = "scatter",
-        timeout: float | None = None,
-    ) -> Any:
-        if root != 0:
-            raise ValueError(f"root {root} out of range for a world of size 1")
-        if objs is None or len(objs) != 1:
-            raise ValueError(f"scatter needs one object per rank (1) on the root, got {objs!r}")
-        return objs[0]
-
-    def agree(
-        self,
-        error: BaseException | None,
-        what: str,
-        timeout: float | None = None,
-        kind: type[CollectiveError] = CollectiveError,
-    ) -> None:
-        if error is not None:
-            raise kind(what, {0: _failure_of(0, self.hosts[0], error)}) from error
-
-    def abort(self, code: int = 1) -> None:
-        import os
-
-        os._exit(code)
-
-    def finalize(self) -> None:
-        return None
-
-
-class ProgressThread:
-    """Turns MPI's progress engine every `interval` seconds from a thread of its own, for MPI
-    libraries that move messages only while the sending rank is inside an MPI call ("manual"
-    progress: MPICH over libfabric's tcp provider, for one). There, a rank can finish a collective
-    with its last message still queued, then block outside MPI (in gloo's gradient all-reduce,
-    on the disk) while a peer waits in MPI for that message: both wait forever. Measured:
-    `examples/train.py` at n=2 with `MPIR_CVAR_CH4_NETMOD=ofi MPIR_CVAR_NOLOCAL=1` hung in its
-    first broadcast (rank 0 had gone on to backward()), 3 runs of 3; with this thread it ran.
-
-    It probes `comm` (mpaccel's diagnostics communicator) for a tag nobody sends: the probe only
-    drives progress. (A probe of MPI_COMM_SELF did not: MPICH answers it without the network.)
-    It sleeps between probes (MPICH's own MPIR_CVAR_ASYNC_PROGRESS thread spins, taking a
-    core). Needs MPI_THREAD_MULTIPLE."""
-
-    def __init__(self, comm: Any, interval: float) -> None:
-        from mpi4py import MPI
-
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise MpaccelError(
-                "MPACCEL_MPI_PROGRESS needs MPI initialised with MPI_THREAD_MULTIPLE",
-                "leave mpi4py.rc.thread_level at its default ('multiple'), or use an MPI "
-                "library that provides it.",
-            )
-        self.interval = interval
-        self._comm = comm
-        self._any = MPI.ANY_SOURCE
-        self._finalized = MPI.Is_finalized
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mpaccel-mpi-progress", daemon=True)
-        self._thread.start()
-        atexit.register(self.stop)  # at exit, before MPI is finalized
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            if self._finalized():
-                return
-            self._comm.Iprobe(source=self._any, tag=_TAG_PROGRESS)
-
-    def stop(self) -> None:
-        """Idempotent; returns once the thread has made its last MPI call."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
 
 
 class MPIComm:
@@ -625,7 +458,7 @@ class MPIComm:
         if not failed:
             return
         host = self.hosts[self.rank] if self.hosts else "?"
-        mine = None if error is None else _failure_of(self.rank, host, error)
+        mine = None if error is None else failure_of(self.rank, host, error)
         reports = self.allgather(mine, what, timeout)
         failures = {r.rank: r for r in reports if r is not None}
         raise kind(what, failures) from error
