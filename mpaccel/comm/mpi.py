@@ -24,17 +24,13 @@ import numpy as np
 from ..errors import (
     CollectiveError,
     CollectiveMismatchError,
-    CollectiveTimeoutError,
     MpaccelError,
     PeerFailedError,
     RankFailure,
 )
 from .base import failure_of
+from .diagnosis import Diagnosis
 from .progress import ProgressThread
-
-# Tags on the diagnostics communicator (a duplicate, so user traffic never matches ours).
-_TAG_QUERY = 7301
-_TAG_REPLY = 7302
 
 # Waiting has three phases. Spin: test in a tight loop (everyone is there: raw-MPI latency).
 # Yield: test, then sched_yield() so a rank that shares this core and still works (more ranks
@@ -46,7 +42,7 @@ _YIELD_SECONDS = 0.05
 _YIELD_SECONDS_OVERSUBSCRIBED = 2e-4  # see MPIComm.oversubscribed()
 _MAX_SLEEP = 1e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
 # After this long in one collective, a rank asks one other rank (rank 0; rank 0 asks rank 1)
-# where it is: see MPIComm._check_divergence.
+# where it is: see comm/diagnosis.py.
 _PROBE_AFTER = 5.0
 
 
@@ -70,6 +66,7 @@ class MPIComm:
         self._parent = comm
         self._comm = comm.Dup()
         self._diag = comm.Dup()
+        self._diagnosis = Diagnosis(self._diag, comm.Get_rank(), comm.Get_size())
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
         self.hosts: Sequence[str] = ()
@@ -84,7 +81,6 @@ class MPIComm:
         # plugin's and the async saver's (interruptible=False) do not
         self.probe_after: float | None = _PROBE_AFTER if interruptible else None
         self._broken: str | None = None
-        self._asks: list[Any] = []  # pending sends of _ask_where
         self._ops = {"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}
         self._send = np.zeros(1, dtype=np.int64)
         self._recv = np.zeros(1, dtype=np.int64)
@@ -216,7 +212,7 @@ class MPIComm:
         probe_at = ask_at = start + every
         pause = 2e-5
         while not test():
-            self._answer_queries()
+            self._diagnosis.answer(self._current)
             if self._alerts is not None and self._alerts.waiting():
                 if test():  # done after all: the alert is about a later collective
                     break
@@ -225,7 +221,7 @@ class MPIComm:
             if now >= ask_at:
                 # again every probe_after: the rank asked may move on, e.g. to the end of the
                 # program after abandoning this collective for an error of its own
-                self._ask_where()
+                self._diagnosis.ask(self._current)
                 ask_at = now + every
             if now >= probe_at:
                 self._check_divergence(what)
@@ -265,104 +261,30 @@ class MPIComm:
         a pending collective request cannot be cancelled."""
         self._comm = self._parent.Dup()
         self._diag = self._parent.Dup()
+        self._diagnosis = Diagnosis(self._diag, self.rank, self.size)
         if self._end is not None:
             self._end = self._parent.Dup()
         self._set_up_persistent()
         self._broken = None
         self._current = None
-        self._seq = 0  # numbers count from here again on every rank (see _check_divergence)
-        self._asks = []
+        self._seq = 0  # numbers count from here again on every rank (see diagnosis.py)
 
     @property
     def broken(self) -> bool:
         return self._broken is not None
 
-    def _answer_queries(self) -> dict[int, Any]:
-        """While waiting, tell any rank that asked (it timed out, or has waited long) which
-        collective this rank is in; the reply repeats the question, so that the asker can tell
-        an answer about the collective it still waits in from a late one. Returns, per asking
-        rank, the collective it asked from."""
-        MPI = self._MPI
-        status = MPI.Status()
-        asked: dict[int, Any] = {}
-        while self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_QUERY, status):
-            source = status.Get_source()
-            asked[source] = self._diag.recv(source=source, tag=_TAG_QUERY)
-            reply = (self.rank, self._current, asked[source])
-            self._diag.send(reply, dest=source, tag=_TAG_REPLY)
-        return asked
-
-    def _ask_where(self) -> None:
-        """Ask one rank (rank 0; rank 0 asks rank 1) where it is: one small message per waiting
-        rank, however large the job. Its answer arrives when it next waits in a collective."""
-        target = 1 if self.rank == 0 else 0
-        self._asks = [request for request in self._asks if not request.Test()]
-        self._asks.append(self._diag.isend(self._current, dest=target, tag=_TAG_QUERY))
-
     def _check_divergence(self, what: str) -> None:
-        """Raise if the answer to _ask_where shows the asked rank waiting in a collective of
-        the same number as this one but another MPI operation (a barrier against an
-        all-reduce, say): they can never match, so both would wait for the whole timeout
-        (30 minutes by default). Names of the same operation are not compared (they may carry
-        rank-dependent detail), nor are numbers that differ (a broadcast's root may finish
-        early), so a slow rank is never taken for a diverged one."""
-        MPI = self._MPI
-        status = MPI.Status()
-        while self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_REPLY, status):
-            rank, where, asked = self._diag.recv(source=status.Get_source(), tag=_TAG_REPLY)
-            here = self._current
-            if asked != here or where is None or here is None:
-                continue  # a late answer, or the rank is not in a collective
-            if where[1] == here[1] and where[2] != here[2]:
-                self._broken = f"{what} cannot complete: the ranks took different code paths"
-                host = self.hosts[rank] if rank < len(self.hosts) else "?"
-                raise CollectiveMismatchError(
-                    f"{what} (collective #{here[1]}, an MPI {here[2]}) cannot complete: rank "
-                    f"{rank} ({host}) waits in {where[0]} (its collective #{where[1]}, an MPI "
-                    f"{where[2]}): the ranks took different code paths",
-                    "every rank must make the same collective calls in the same order. The "
-                    "usual cause is a collective (save_model, save_state, wait_for_everyone, "
-                    "gather, check_trigger...) inside `if accelerator.is_main_process:` or "
-                    "another branch taken on some ranks only: call it on every rank.",
-                )
+        """Raise if the rank asked (Diagnosis.ask) waits in a collective that can never match
+        this one (Diagnosis.divergence)."""
+        error = self._diagnosis.divergence(what, self._current, self.hosts)
+        if error is not None:
+            self._broken = f"{what} cannot complete: the ranks took different code paths"
+            raise error
 
     def _timed_out(self, what: str, limit: float) -> None:
-        MPI = self._MPI
-        others = [r for r in range(self.size) if r != self.rank]
-        sends = [self._diag.isend(self._current, dest=r, tag=_TAG_QUERY) for r in others]
-        replies: dict[int, Any] = {}
-        grace_end = time.monotonic() + min(5.0, max(1.0, 0.05 * limit))
-        status = MPI.Status()
-        while len(replies) < len(others) and time.monotonic() < grace_end:
-            # A rank that timed out in this same collective asks too: its question says where
-            # it is, which counts as its answer (it may stop answering before our questions
-            # reach it, when timeouts are staggered on a loaded machine).
-            for rank, where in self._answer_queries().items():
-                replies.setdefault(rank, where)
-            if self._diag.Iprobe(MPI.ANY_SOURCE, _TAG_REPLY, status):
-                rank, where, _ = self._diag.recv(source=status.Get_source(), tag=_TAG_REPLY)
-                replies[rank] = where
-            else:
-                time.sleep(1e-3)
-        for req in sends:
-            if not req.Test():
-                req.Cancel()
-        here = self._current
-        arrived = sorted([self.rank] + [r for r, w in replies.items() if w == here])
-        elsewhere = {r: w for r, w in replies.items() if w is not None and w != here}
-        missing = sorted(r for r in others if r not in replies or replies[r] is None)
-        missing += sorted(elsewhere)
-        hosts = {r: self.hosts[r] for r in range(len(self.hosts))}
-        hint = None
-        if elsewhere:
-            detail = "; ".join(f"rank {r} is in {w[0]} #{w[1]}" for r, w in elsewhere.items())
-            hint = (
-                f"ranks are in different collectives ({detail}; this rank is in {what} "
-                f"#{here[1] if here else '?'}): some rank took a different code path, e.g. a "
-                "wait_for_everyone() or check_trigger() inside an `if is_main_process:` block."
-            )
+        error = self._diagnosis.timed_out(what, limit, self._current, self.hosts)
         self._broken = f"{what} timed out"
-        raise CollectiveTimeoutError(what, limit, missing, hosts, arrived, hint)
+        raise error
 
     # -- collectives ---------------------------------------------------------------------------
 
