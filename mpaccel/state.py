@@ -174,7 +174,7 @@ class PartialState:
         timeout = pg.timeout or (timedelta(seconds=env_timeout) if env_timeout else None)
         default_timeout = timeout.total_seconds() if timeout else DEFAULT_TIMEOUT
         found = _discover(default_timeout)
-        found.comm.default_timeout = default_timeout  # type: ignore[attr-defined]
+        found.comm.set_default_timeout(default_timeout)
         info = found.info
         # Everything is computed before anything is shared: a failure here (a launch error,
         # a GPU shared by two ranks) leaves the state uninitialised, not half-built.

@@ -24,6 +24,11 @@ class Comm(Protocol):
     rank: int
     size: int
     hosts: Sequence[str]
+    default_timeout: float
+
+    def set_default_timeout(self, seconds: float) -> None:
+        """Not collective: the deadline of the calls given none, from now on."""
+        ...
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None: ...
 
@@ -78,6 +83,9 @@ class NullComm:
     def __init__(self, host: str = "localhost", default_timeout: float = 1800.0) -> None:
         self.hosts: Sequence[str] = (host,)
         self.default_timeout = default_timeout
+
+    def set_default_timeout(self, seconds: float) -> None:
+        self.default_timeout = seconds
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
         return None

@@ -39,7 +39,7 @@ from .progress import ProgressThread
 # Python runs signal handlers between polls in every phase.
 _SPIN_SECONDS = 1e-3  # where the node has a core per rank; 0 where it has fewer (discovery)
 _YIELD_SECONDS = 0.05
-_YIELD_SECONDS_OVERSUBSCRIBED = 2e-4  # see MPIComm.oversubscribed()
+_YIELD_SECONDS_OVERSUBSCRIBED = 2e-4  # see MPIComm(oversubscribed=True)
 _MAX_SLEEP = 1e-3  # cap of the growing sleep: bounds the wake-up latency of a long wait
 # After this long in one collective, a rank asks one other rank (rank 0; rank 0 asks rank 1)
 # where it is: see comm/diagnosis.py.
@@ -58,8 +58,31 @@ class MPIComm:
     """Adapter over an mpi4py communicator (duplicated, so mpaccel's traffic stays apart)."""
 
     def __init__(
-        self, comm: Any, default_timeout: float = 1800.0, interruptible: bool = True
+        self,
+        comm: Any,
+        default_timeout: float = 1800.0,
+        interruptible: bool = True,
+        *,
+        hosts: Sequence[str] = (),
+        oversubscribed: bool = False,
+        spin_seconds: float | None = None,
+        yield_seconds: float | None = None,
+        progress_interval: float | None = None,
     ) -> None:
+        """Collective over `comm`, which is duplicated (Dup, 2 or 3 times).
+
+        `default_timeout`: the deadline, in seconds, of a call given none. `interruptible`:
+        this is the communicator user code waits on: after 5 s in one collective it asks
+        another rank where it is (comm/diagnosis.py), at exit it waits for every rank in a
+        barrier of its own (_end_of_program), and it can listen() to the pytest plugin's
+        alerts; the plugin's own communicator and the async saver's are not. `hosts`: each
+        rank's host name, for the errors (discovery gathers them). `oversubscribed`: this
+        node runs more ranks than they have cores, so a waiting rank that spins, or yields
+        for long, keeps the ranks yet to arrive off the CPU: no spin, and 200 us of yielding
+        (docs/benchmarks.md, "Waiting on an oversubscribed node"). `spin_seconds` and
+        `yield_seconds` override those two phases of a wait (the async saver, waiting beside
+        the training thread, sleeps at once: 0 and 0). `progress_interval`: start a
+        ProgressThread probing every that many seconds (MPACCEL_MPI_PROGRESS)."""
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -69,11 +92,16 @@ class MPIComm:
         self._diagnosis = Diagnosis(self._diag, comm.Get_rank(), comm.Get_size())
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
-        self.hosts: Sequence[str] = ()
+        # hosts, spin_seconds, yield_seconds: kept for checkpoint/__init__.py until it uses dup()
+        self.hosts: Sequence[str] = tuple(hosts)
         self.default_timeout = default_timeout
         self.interruptible = interruptible
-        self.spin_seconds = _SPIN_SECONDS
-        self.yield_seconds = _YIELD_SECONDS
+        if spin_seconds is None:
+            spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
+        if yield_seconds is None:
+            yield_seconds = _YIELD_SECONDS_OVERSUBSCRIBED if oversubscribed else _YIELD_SECONDS
+        self.spin_seconds = spin_seconds
+        self.yield_seconds = yield_seconds
         self._seq = 0
         # (label, sequence number, MPI operation) of the collective this rank waits in
         self._current: tuple[str, int, str] | None = None
@@ -87,12 +115,51 @@ class MPIComm:
         self._persistent: dict[str, Any] = {}
         self._set_up_persistent()
         self.progress: ProgressThread | None = None
+        if progress_interval is not None:
+            self.progress = ProgressThread(self._diag, progress_interval)
         self._alerts: AlertSource | None = None
         self._end: Any = None
         if self.probe_after is not None and self.size > 1:
             self._end = comm.Dup()
             # after mpi4py's own exit hook was registered (it finalizes MPI): runs before it
             atexit.register(self._end_of_program)
+
+    def dup(
+        self,
+        *,
+        interruptible: bool | None = None,
+        default_timeout: float | None = None,
+        spin_seconds: float | None = None,
+        yield_seconds: float | None = None,
+    ) -> MPIComm:
+        """Collective over this communicator's ranks: a new MPIComm on the same ranks, with this
+        one's settings but those given (the async saver's: `dup(interruptible=False,
+        spin_seconds=0, yield_seconds=0)`). It starts no second progress thread."""
+        return MPIComm(
+            self._parent,
+            self.default_timeout if default_timeout is None else default_timeout,
+            self.interruptible if interruptible is None else interruptible,
+            hosts=self.hosts,
+            spin_seconds=self.spin_seconds if spin_seconds is None else spin_seconds,
+            yield_seconds=self.yield_seconds if yield_seconds is None else yield_seconds,
+        )
+
+    def free(self) -> None:
+        """Collective: release the MPI communicators and requests (nothing may use this object
+        afterwards). Needed only for a communicator made for a while (discovery's first one)."""
+        for request in self._persistent.values():
+            request.Free()
+        self._persistent = {}
+        for comm in (self._comm, self._diag, self._end):
+            if comm is not None:
+                comm.Free()
+        self._end = None  # the exit hook has nothing to do
+
+    def set_default_timeout(self, seconds: float) -> None:
+        """Not collective. The deadline of the calls given none from now on: PartialState sets
+        it when it is created again, after _reset_state(), with another timeout (discovery and
+        its communicator outlive the reset)."""
+        self.default_timeout = seconds
 
     def _end_of_program(self) -> None:
         """At exit, before MPI_Finalize: a barrier named "the end of the program". While a rank
@@ -105,7 +172,7 @@ class MPIComm:
         rank whose communicator an abandoned collective left out of step comes too (that
         communicator is not used here), but asks no one where they are: its collective
         numbers no longer line up with the others'."""
-        if self._MPI.Is_finalized():
+        if self._MPI.Is_finalized() or self._end is None:
             return
         what, kind = "the end of the program", "end-of-program barrier"
         try:
@@ -129,20 +196,6 @@ class MPIComm:
     def _abort_at_exit(self, text: str) -> None:
         print(f"[mpaccel rank {self.rank}] {text}", file=sys.stderr, flush=True)
         self.abort(1)
-
-    def keep_progressing(self, interval: float) -> None:
-        """Not collective. Start a ProgressThread (MPACCEL_MPI_PROGRESS; see there)."""
-        if self.progress is None:
-            self.progress = ProgressThread(self._diag, interval)
-
-    def oversubscribed(self) -> None:
-        """Not collective. This node runs more ranks than they have cores (discovery says so):
-        a rank that spins, or yields for long, while it waits keeps the ranks that have yet to
-        arrive off the CPU. Measured at 4 ranks on 2 cores: a 100 us spin made the barrier
-        15x slower, a 50 ms yield made a per-step check_trigger cost 17 ms of a 21 ms step;
-        no spin and 200 us of yielding: barrier 1.5x raw MPI, check_trigger ~1 ms."""
-        self.spin_seconds = 0.0
-        self.yield_seconds = _YIELD_SECONDS_OVERSUBSCRIBED
 
     def _set_up_persistent(self) -> None:
         """Collective, like Dup: MPI-4 persistent barrier and int all-reduces on `_comm`. Their
