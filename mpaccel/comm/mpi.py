@@ -199,8 +199,8 @@ class MPIComm:
 
     def _set_up_persistent(self) -> None:
         """Collective, like Dup: MPI-4 persistent barrier and int all-reduces on `_comm`. Their
-        schedule is built once; a barrier then costs ~4 us instead of ~7 for Ibarrier, an
-        all-reduce ~5 instead of ~18 (MPICH, 2 ranks). Without MPI-4 the Ixxx calls are used."""
+        schedule is built once, which makes each call cheaper than its Ixxx form (measured:
+        docs/benchmarks.md, "Persistent collectives"). Without MPI-4 the Ixxx calls are used."""
         self._persistent = {}
         try:
             requests = {"barrier": self._comm.Barrier_init()}

@@ -17,12 +17,11 @@ class ProgressThread:
     libraries that move messages only while the sending rank is inside an MPI call ("manual"
     progress: MPICH over libfabric's tcp provider, for one). There, a rank can finish a collective
     with its last message still queued, then block outside MPI (in gloo's gradient all-reduce,
-    on the disk) while a peer waits in MPI for that message: both wait forever. Measured:
-    `examples/train.py` at n=2 with `MPIR_CVAR_CH4_NETMOD=ofi MPIR_CVAR_NOLOCAL=1` hung in its
-    first broadcast (rank 0 had gone on to backward()), 3 runs of 3; with this thread it ran.
+    on the disk) while a peer waits in MPI for that message: both wait forever (measured:
+    docs/benchmarks.md, "The progress thread").
 
     It probes `comm` (mpaccel's diagnostics communicator) for a tag nobody sends: the probe only
-    drives progress. (A probe of MPI_COMM_SELF did not: MPICH answers it without the network.)
+    drives progress (a probe of MPI_COMM_SELF does not: MPICH answers it without the network).
     It sleeps between probes (MPICH's own MPIR_CVAR_ASYNC_PROGRESS thread spins, taking a
     core). Needs MPI_THREAD_MULTIPLE."""
 
