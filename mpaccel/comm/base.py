@@ -19,30 +19,50 @@ def failure_of(rank: int, host: str, exc: BaseException) -> RankFailure:
 
 
 class Comm(Protocol):
-    """What mpaccel needs from a communicator. Every method is collective unless noted."""
+    """What mpaccel needs from a communicator: `MPIComm` over MPI, `NullComm` for one process.
 
-    rank: int
-    size: int
-    hosts: Sequence[str]
-    default_timeout: float
+    Collective means every rank of the communicator calls the method, the collectives in the
+    same order on every rank. `what` names the call in errors ("wait_for_everyone", "saving
+    checkpoint '...'"). `timeout` is in seconds (None: `default_timeout`); past it the rank
+    raises CollectiveTimeoutError naming the ranks that never came, and the communicator is
+    unusable from then on (the job should end). Costs are MPIComm's on one node (MPICH;
+    docs/benchmarks.md); NullComm's calls cost nothing but a Python call.
+    """
+
+    rank: int  # this process's rank, 0 .. size-1
+    size: int  # how many ranks
+    hosts: Sequence[str]  # each rank's host name (for errors; may be empty: "?")
+    default_timeout: float  # seconds a call given no timeout may wait
 
     def set_default_timeout(self, seconds: float) -> None:
-        """Not collective: the deadline of the calls given none, from now on."""
+        """Not collective, free: the deadline of the calls given none, from now on."""
         ...
 
-    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None: ...
+    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
+        """Collective: return once every rank has called it. One MPI barrier (persistent where
+        MPI-4 has it): a few µs at 2 ranks."""
+        ...
 
     def allreduce(
         self, value: int, op: str = "max", what: str = "allreduce", timeout: float | None = None
-    ) -> int: ...
+    ) -> int:
+        """Collective: `op` ("max", "min" or "sum") of every rank's int `value`, on every rank.
+        One MPI all-reduce of an int64 (persistent where MPI-4 has it): a few µs at 2 ranks."""
+        ...
 
     def allgather(
         self, obj: Any, what: str = "allgather", timeout: float | None = None
-    ) -> list[Any]: ...
+    ) -> list[Any]:
+        """Collective: every rank's `obj` (picklable), in rank order, on every rank. Two MPI
+        collectives (the sizes, then the pickled bytes); cost grows with the objects."""
+        ...
 
     def bcast(
         self, obj: Any, root: int = 0, what: str = "bcast", timeout: float | None = None
-    ) -> Any: ...
+    ) -> Any:
+        """Collective: `root`'s `obj` on every rank (the others' `obj` is ignored; the root
+        gets its own object back, not a copy). Two MPI broadcasts (size, pickled bytes)."""
+        ...
 
     def scatter(
         self,
@@ -51,7 +71,9 @@ class Comm(Protocol):
         what: str = "scatter",
         timeout: float | None = None,
     ) -> Any:
-        """Rank r gets `objs[r]` of the root (`objs`, one per rank, is read on the root only)."""
+        """Collective: rank r gets `objs[r]` of the root (`objs`, one per rank, is read on the
+        root only; the root keeps its own object). Two MPI collectives (sizes, then each rank
+        receives only its own pickled bytes)."""
         ...
 
     def agree(
@@ -61,16 +83,20 @@ class Comm(Protocol):
         timeout: float | None = None,
         kind: type[CollectiveError] = CollectiveError,
     ) -> None:
-        """Raise the same CollectiveError (or `kind`, a subclass) on every rank if `error` is
-        set on any rank."""
+        """Collective: raise the same CollectiveError (or `kind`, a subclass) on every rank if
+        `error` is set on any rank, naming each failing rank, its exception and traceback
+        (chained from `error` where it is this rank's). One int all-reduce when nobody failed;
+        an all-gather of the failures more when somebody did."""
         ...
 
     def abort(self, code: int = 1) -> None:
-        """Not collective: end the whole job now."""
+        """Not collective: end the whole job now with `code` (MPI_Abort; os._exit for one
+        process). Exit hooks do not run. Does not return."""
         ...
 
     def finalize(self) -> None:
-        """Collective: shut MPI down (nothing may use it afterwards)."""
+        """Collective: stop the progress thread and shut MPI down (nothing may use MPI
+        afterwards; the end-of-program barrier then has nothing to do)."""
         ...
 
 
