@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, ops, tracking, training
 from . import slurm as slurm_support
+from .comm import agreement
 from .data import PreparedLoader, skip_first_batches
 from .errors import ConfigurationError
 from .prepare import agreed_seed
@@ -890,14 +891,10 @@ class Accelerator:
         hooks may shorten, one entry per prepared model); returns the models whose entries
         remain, the same on every rank (a hook failing on any rank fails every rank)."""
         entries = list(listed)
-        error: BaseException | None = None
-        try:
+        comm = self._partial.comm
+        with agreement(comm, what):
             for hook in hooks:
                 hook(*arguments)
-        except Exception as exc:
-            error = exc
-        comm = self._partial.comm
-        comm.agree(error, what)
         kept = [i for i, entry in enumerate(entries) if any(entry is e for e in listed)]
         everyone = comm.allgather(kept, what)
         if any(k != kept for k in everyone):

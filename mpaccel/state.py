@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import _env, distributed
-from .comm import Comm
+from .comm import Comm, agreement
 from .device import check_gpus_not_shared, current_device
 from .discovery import Discovery, discover, emit_warnings
 from .environments import ProcessInfo
@@ -318,21 +318,13 @@ class PartialState:
         # the same CollectiveError instead of the others going ahead or waiting forever.
         if not is_main:
             self.comm.agree(None, what)
-        error: Exception | None = None
-        try:
+        # A CollectiveError from the block was agreed on every rank already (a nested gate
+        # failed: the others learnt it at the gate they were waiting in), or a peer is gone:
+        # another agreement would meet nobody, or another gate, on the other ranks.
+        with agreement(self.comm, what, passing=(CollectiveError,)):
             yield
-        except CollectiveError:
-            # Agreed on every rank already (a nested gate failed: the others learnt it at the
-            # gate they were waiting in), or a peer is gone: another agreement here would meet
-            # nobody, or another gate, on the other ranks.
-            raise
-        except Exception as exc:
-            error = exc
         if is_main:
-            self.comm.agree(error, what)
             self.comm.agree(None, what)
-        else:
-            self.comm.agree(error, what)
 
     @contextmanager
     def main_process_first(self) -> Iterator[None]:

@@ -5,8 +5,8 @@
 `progress` the thread that turns MPI's progress engine where the library needs it.
 """
 
-from .base import Comm, NullComm
+from .base import Comm, NullComm, agreement
 from .mpi import AlertSource, MPIComm
 from .progress import ProgressThread
 
-__all__ = ["AlertSource", "Comm", "MPIComm", "NullComm", "ProgressThread"]
+__all__ = ["AlertSource", "Comm", "MPIComm", "NullComm", "ProgressThread", "agreement"]

@@ -5,7 +5,8 @@ distributed")."""
 from __future__ import annotations
 
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from ..errors import CollectiveError, RankFailure
@@ -86,7 +87,8 @@ class Comm(Protocol):
         """Collective: raise the same CollectiveError (or `kind`, a subclass) on every rank if
         `error` is set on any rank, naming each failing rank, its exception and traceback
         (chained from `error` where it is this rank's). One int all-reduce when nobody failed;
-        an all-gather of the failures more when somebody did."""
+        an all-gather of the failures more when somebody did. `agreement` is the usual way to
+        call it."""
         ...
 
     def abort(self, code: int = 1) -> None:
@@ -98,6 +100,50 @@ class Comm(Protocol):
         """Collective: stop the progress thread and shut MPI down (nothing may use MPI
         afterwards; the end-of-program barrier then has nothing to do)."""
         ...
+
+
+@contextmanager
+def agreement(
+    comm: Comm,
+    what: str,
+    *,
+    kind: type[CollectiveError] = CollectiveError,
+    timeout: float | None = None,
+    wrap: Callable[[Exception], BaseException] | None = None,
+    cleanup: Callable[[], object] | None = None,
+    catch: tuple[type[Exception], ...] = (Exception,),
+    passing: tuple[type[Exception], ...] = (),
+) -> Iterator[None]:
+    """Collective: run the block on every rank, then agree (Comm.agree): if it raised on any
+    rank, every rank raises the same `kind` naming each rank that failed; else every rank goes
+    on. For work that one rank does alone (rank 0 creates the directory), put it under `if
+    comm.rank == 0:` inside the block: the others still take part in the agreement.
+
+    `wrap(exc)`: the exception reported for this rank instead of the one the block raised (a
+    message naming the file it was writing, say). `cleanup()`: run on every rank when the
+    agreement raises, before the error leaves (remove the files of a save that will not be
+    committed). `catch`: the exceptions agreed on (others leave the block as they are, on the
+    ranks that raise them). `passing`: exceptions agreed already on every rank (a
+    CollectiveError from a nested agreement): they leave the block as they are, with no second
+    agreement that the other ranks would not join.
+
+        with agreement(comm, "creating the cache directory"):
+            if comm.rank == 0:
+                os.makedirs(path)
+    """
+    error: BaseException | None = None
+    try:
+        yield
+    except passing:
+        raise
+    except catch as exc:
+        error = exc if wrap is None else wrap(exc)
+    try:
+        comm.agree(error, what, timeout, kind)
+    except Exception:
+        if cleanup is not None:
+            cleanup()
+        raise
 
 
 class NullComm:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..comm import agreement
 from ..errors import ConfigurationError
 
 # What torch's allocators say when memory runs out (CUDA/HIP/XPU, MPS, CPU, Gaudi), and cuDNN's
@@ -105,17 +106,16 @@ def find_executable_batch_size(
                     "free memory (a smaller model, gradient checkpointing, mixed precision) "
                     "or start from a batch size that fits.",
                 )
-            error: BaseException | None = None
             out_of_memory = False
             result = None
-            try:
-                result = function(batch_size, *args, **kwargs)
-            except Exception as exc:
-                out_of_memory = should_reduce_batch_size(exc)
-                if not out_of_memory:
-                    error = exc
             what = f"find_executable_batch_size({function.__name__}, batch_size={batch_size})"
-            comm.agree(error, what)
+            with agreement(comm, what):
+                try:
+                    result = function(batch_size, *args, **kwargs)
+                except Exception as exc:
+                    if not should_reduce_batch_size(exc):
+                        raise
+                    out_of_memory = True
             retry = comm.allreduce(int(out_of_memory), "max", what)
             if not retry:
                 return result
