@@ -8,9 +8,6 @@ group; resetting only forgets the configuration, so tests can build a fresh stat
 from __future__ import annotations
 
 import functools
-import os
-import sys
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -18,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import _env, distributed
+from . import _env, distributed, lifecycle
 from .comm import Comm, agreement
 from .device import check_gpus_not_shared, current_device
 from .discovery import Discovery, discover, emit_warnings
@@ -36,7 +33,6 @@ from .utils.dataclasses import (
 DEFAULT_TIMEOUT = 1800.0  # seconds, like torch.distributed's default; MPACCEL_TIMEOUT overrides
 
 _discovery: Discovery | None = None
-_abort_hook_installed = False
 
 
 def _discover(timeout: float, problem: MpaccelError | None = None) -> Discovery:
@@ -49,48 +45,6 @@ def _discover(timeout: float, problem: MpaccelError | None = None) -> Discovery:
     elif problem is not None:
         raise problem
     return _discovery
-
-
-def _install_abort_hook(info: ProcessInfo, comm: Comm) -> None:
-    """An exception nobody caught on one rank ends the whole job, with its traceback tagged."""
-    global _abort_hook_installed
-    if _abort_hook_installed or info.num_processes == 1:
-        return
-    if not _env.get_bool("abort_on_exception", True):
-        return
-    tag = f"[mpaccel rank {info.process_index}/{info.num_processes} {info.hostname}]"
-
-    def hook(exc_type, exc, tb):
-        text = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip()
-        lines = [f"{tag} {line}" for line in text.splitlines()]
-        if _called_from_running_code():
-            # Not an uncaught exception: C extensions report errors they must ignore (Cython's
-            # unraisable errors in __dealloc__, e.g. h5py failing to close a file) through
-            # PyErr_PrintEx, which calls sys.excepthook while the program goes on.
-            lines.append(f"{tag} (reported by an extension while the program runs: not fatal)")
-            os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
-            return
-        lines.append(f"{tag} uncaught {exc_type.__name__}: aborting all ranks (MPI_Abort)")
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            # Straight to fd 2: sys.stderr may be a wrapper's buffer that MPI_Abort never flushes.
-            os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
-        finally:
-            comm.abort(1)
-
-    sys.excepthook = hook
-    _abort_hook_installed = True
-
-
-def _called_from_running_code() -> bool:
-    """True when sys.excepthook runs with Python frames below it. The interpreter calls it for
-    an uncaught exception only after unwinding every frame, so then there are none."""
-    try:
-        sys._getframe(2)  # 0: this function, 1: the hook, 2: whoever called the hook
-    except ValueError:
-        return False
-    return True
 
 
 def _limit_threads(found: Discovery) -> None:
@@ -204,7 +158,9 @@ class PartialState:
             backend=backend,
         )
         # After init_process_group: torch wraps sys.excepthook there and buffers its output.
-        _install_abort_hook(info, self.comm)
+        lifecycle.install_abort_hook(
+            info.process_index, info.num_processes, info.hostname, self.comm.abort
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the instance and the class lack: after _reset_state().

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from .. import lifecycle
 from ..errors import CollectiveError, RankFailure
 
 OPS = {"max", "min", "sum"}
@@ -201,9 +202,7 @@ class NullComm:
             raise kind(what, {0: failure_of(0, self.hosts[0], error)}) from error
 
     def abort(self, code: int = 1) -> None:
-        import os
-
-        os._exit(code)
+        lifecycle.abort_job(code)
 
     def finalize(self) -> None:
         return None

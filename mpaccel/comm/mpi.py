@@ -10,7 +10,6 @@ never came.
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import pickle
@@ -21,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import lifecycle
 from ..errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -121,8 +121,7 @@ class MPIComm:
         self._end: Any = None
         if self.probe_after is not None and self.size > 1:
             self._end = comm.Dup()
-            # after mpi4py's own exit hook was registered (it finalizes MPI): runs before it
-            atexit.register(self._end_of_program)
+            lifecycle.at_exit(lifecycle.Stage.END_OF_PROGRAM, self._end_of_program)
 
     def dup(
         self,
@@ -439,7 +438,7 @@ class MPIComm:
         raise kind(what, failures) from error
 
     def abort(self, code: int = 1) -> None:
-        self._MPI.COMM_WORLD.Abort(code)
+        lifecycle.abort_job(code)
 
     def finalize(self) -> None:
         if self.progress is not None:

@@ -3,10 +3,10 @@ the sending rank is inside an MPI call (MPACCEL_MPI_PROGRESS)."""
 
 from __future__ import annotations
 
-import atexit
 import threading
 from typing import Any
 
+from .. import lifecycle
 from ..errors import MpaccelError
 
 _TAG_PROGRESS = 7304  # probed by ProgressThread, never sent
@@ -41,7 +41,7 @@ class ProgressThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpaccel-mpi-progress", daemon=True)
         self._thread.start()
-        atexit.register(self.stop)  # at exit, before MPI is finalized
+        lifecycle.at_exit(lifecycle.Stage.STOP_PROGRESS, self.stop)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

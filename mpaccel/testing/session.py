@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _pytest._io import TerminalWriter
 
+from .. import lifecycle
 from .alerts import Alerts
 from .outcomes import PhaseOutcome, collection_mismatch, combine, exit_everywhere
 from .watchdog import Watchdog, config_timeout, timeout_for
@@ -59,7 +60,7 @@ class MPISession:
         if self._listener is not None:
             self._listener.listen(self.alerts)
         self.stderr_fd = stderr_fd
-        self.watchdog = watchdog or Watchdog(self.rank, self.size, self.world.Abort, stderr_fd)
+        self.watchdog = watchdog or Watchdog(self.rank, self.size, lifecycle.abort_job, stderr_fd)
         # Where the ranks' basetemp dirs (rank-R) and mpi_tmp_path's (shared/) are: a given
         # --basetemp (the way to a filesystem every node sees), else a new dir in rank 0's TMPDIR.
         self.given_base = config.option.basetemp is not None
@@ -314,7 +315,7 @@ class MPISession:
             f"cannot follow it: ending every rank with exit code {int(code)}\n".encode(
                 errors="replace"),
         )
-        self.world.Abort(int(code))
+        lifecycle.abort_job(int(code))
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Iterator[Any]:
