@@ -17,24 +17,38 @@ The exit order, once the script is done (or calls `end_job`):
 
 An exception nobody caught on one rank of a multi-rank job (`install_abort_hook`): the rank
 prints its traceback, each line tagged with the rank, and aborts the job (MPI_Abort): none of
-the hooks above runs, and no rank waits for the one that failed. `abort_job` is that abort,
-for everything else that must end the whole job at once (a diverged end of the program, the
-pytest plugin's deadline). mpi4py's `mpi4py.run` (set_abort_status and one try/except around
-the user's code) is the model.
+the hooks above runs, and no rank waits for the one that failed. An error that every rank
+has (a CollectiveError: one rank failed, the others learnt it) is aborted by the failing rank
+alone, whose output the launcher then delivers; the others print theirs and wait for it.
+`abort_job` is that abort, for everything else that must end the whole job at once (a
+diverged end of the program, the pytest plugin's deadline). mpi4py's `mpi4py.run`
+(set_abort_status and one try/except around the user's code) is the model.
 """
 
 from __future__ import annotations
 
+import array
 import atexit
+import fcntl
 import os
+import stat
 import sys
+import termios
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, NoReturn
 
 from . import _env
+from .errors import CollectiveError
+
+# How long a rank whose uncaught CollectiveError names another rank waits for that rank to
+# abort the job (see _aborting_rank). It only delays the end when that rank does not abort.
+ABORT_GRACE = 5.0
+# How long an aborting rank waits for the launcher to read what it wrote (see _drain).
+DRAIN_LIMIT = 2.0
 
 
 class Stage(IntEnum):
@@ -117,17 +131,62 @@ def install_abort_hook(rank: int, size: int, host: str, abort: Callable[[int], A
             lines.append(f"{tag} (reported by an extension while the program runs: not fatal)")
             os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
             return
-        lines.append(f"{tag} uncaught {exc_type.__name__}: aborting all ranks (MPI_Abort)")
+        leader = _aborting_rank(exc)
+        if leader is None or leader == rank:
+            lines.append(f"{tag} uncaught {exc_type.__name__}: aborting all ranks (MPI_Abort)")
+        else:
+            lines.append(
+                f"{tag} uncaught {exc_type.__name__}: rank {leader} failed and ends the job "
+                f"(MPI_Abort); this rank waits for it, {ABORT_GRACE:g} s at most"
+            )
         try:
             sys.stdout.flush()
             sys.stderr.flush()
             # Straight to fd 2: sys.stderr may be a wrapper's buffer that MPI_Abort never flushes.
             os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
+            _drain((1, 2), DRAIN_LIMIT)
+            if leader is not None and leader != rank:
+                time.sleep(ABORT_GRACE)
         finally:
             abort(1)
 
     sys.excepthook = hook
     _abort_hook_installed = True
+
+
+def _aborting_rank(exc: BaseException) -> int | None:
+    """The one rank that aborts the job for `exc`, when `exc` is the same CollectiveError on
+    every rank: the lowest failing rank (rank 0 where none failed: every rank disagreed). None
+    for any other error: each rank that has it aborts.
+
+    The launcher delivers the output of the rank that calls MPI_Abort; it kills the others,
+    whose output written just before may be lost (MPICH's hydra does). A rank that only learnt
+    of another's failure would often abort first, killing the failing rank before it printed
+    its traceback. So it waits, ABORT_GRACE at most, for that rank's abort (and aborts itself
+    after: that rank may have caught the error)."""
+    if not isinstance(exc, CollectiveError):
+        return None
+    return min(exc.failures, default=0)
+
+
+def _drain(fds: tuple[int, ...], limit: float) -> None:
+    """Wait, `limit` seconds at most, until whoever reads the pipes `fds` lead to (mpiexec's
+    proxy) has read everything written to them. An abort right after a write to a pipe can
+    lose what the launcher had not read yet: the aborting rank's whole traceback, at times.
+    Files and terminals need no wait."""
+    deadline = time.monotonic() + limit
+    unread = array.array("i", [0])
+    for fd in fds:
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            while time.monotonic() < deadline:
+                fcntl.ioctl(fd, termios.FIONREAD, unread, True)
+                if unread[0] == 0:
+                    break
+                time.sleep(1e-3)
+        except OSError:
+            continue  # closed, or no FIONREAD here: nothing to wait for
 
 
 def _called_from_running_code() -> bool:
