@@ -94,7 +94,9 @@ def finish_before_exit(hook: Callable[[], object]) -> None:
 def abort_job(code: int = 1) -> NoReturn:
     """Not collective: end every rank of the job now with `code`; no exit hook runs. MPI_Abort
     where MPI is up; this process alone (os._exit) where it is not, or where MPI_Abort returns
-    (MPICH's does, called from another thread than the main one)."""
+    (MPICH's does, called from another thread than the main one). What this process wrote to
+    its stdout and stderr pipes is read by the launcher first (2 s at most, see _drain)."""
+    _drain((1, 2), DRAIN_LIMIT)
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.COMM_WORLD.Abort(code)
@@ -144,8 +146,8 @@ def install_abort_hook(rank: int, size: int, host: str, abort: Callable[[int], A
             sys.stderr.flush()
             # Straight to fd 2: sys.stderr may be a wrapper's buffer that MPI_Abort never flushes.
             os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
-            _drain((1, 2), DRAIN_LIMIT)
             if leader is not None and leader != rank:
+                _drain((1, 2), DRAIN_LIMIT)  # read before the abort kills this rank, if it can be
                 time.sleep(ABORT_GRACE)
         finally:
             abort(1)
