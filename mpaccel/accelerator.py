@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, ops, preemption, tracking, training
+from .comm import agreement
 from .config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -893,14 +894,10 @@ class Accelerator:
         hooks may shorten, one entry per prepared model); returns the models whose entries
         remain, the same on every rank (a hook failing on any rank fails every rank)."""
         entries = list(listed)
-        error: BaseException | None = None
-        try:
+        comm = self._partial.comm
+        with agreement(comm, what):
             for hook in hooks:
                 hook(*arguments)
-        except Exception as exc:
-            error = exc
-        comm = self._partial.comm
-        comm.agree(error, what)
         kept = [i for i, entry in enumerate(entries) if any(entry is e for e in listed)]
         everyone = comm.allgather(kept, what)
         if any(k != kept for k in everyone):

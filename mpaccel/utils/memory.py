@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ..comm import agreement
 from ..device import clear_device_cache as clear_device_cache
 from ..device import release_memory as release_memory
 from ..errors import ConfigurationError
@@ -83,17 +84,16 @@ def find_executable_batch_size(
                     "free memory (a smaller model, gradient checkpointing, mixed precision) "
                     "or start from a batch size that fits.",
                 )
-            error: BaseException | None = None
             out_of_memory = False
             result = None
-            try:
-                result = function(batch_size, *args, **kwargs)
-            except Exception as exc:
-                out_of_memory = should_reduce_batch_size(exc)
-                if not out_of_memory:
-                    error = exc
             what = f"find_executable_batch_size({function.__name__}, batch_size={batch_size})"
-            comm.agree(error, what)
+            with agreement(comm, what):
+                try:
+                    result = function(batch_size, *args, **kwargs)
+                except Exception as exc:
+                    if not should_reduce_batch_size(exc):
+                        raise
+                    out_of_memory = True
             retry = comm.allreduce(int(out_of_memory), "max", what)
             if not retry:
                 return result

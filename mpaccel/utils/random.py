@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..comm import agreement
 from ..errors import ConfigurationError
 from ..rng import check_rng_types as check_rng_types
 from ..rng import rng_kind as rng_kind
@@ -44,12 +45,8 @@ def synchronize_rng_states(
 
     comm = PartialState().comm
     kinds: list[str] = []
-    error: Exception | None = None
-    try:
+    with agreement(comm, "synchronize_rng_states", catch=(ConfigurationError,)):
         kinds = check_rng_types(rng_types, generator)
-    except ConfigurationError as exc:
-        error = exc
-    comm.agree(error, "synchronize_rng_states")
     synchronize_with(comm, kinds, generator)
 
 
