@@ -4,8 +4,7 @@ Importing mpaccel has no side effects: MPI is initialised, and torch.distributed
 first `PartialState()` / `Accelerator()`.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .accelerator import Accelerator
 from .data import skip_first_batches
 from .environments import ProcessInfo
@@ -16,6 +15,7 @@ from .errors import (
     ConfigurationError,
     LaunchError,
     MpaccelError,
+    MpaccelWarning,
 )
 from .state import AcceleratorState, GradientState, PartialState
 from .utils import (
@@ -55,6 +55,7 @@ __all__ = [
     "InitProcessGroupKwargs",
     "LaunchError",
     "MpaccelError",
+    "MpaccelWarning",
     "PartialState",
     "ProcessInfo",
     "ProjectConfiguration",

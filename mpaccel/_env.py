@@ -284,6 +284,10 @@ VARIABLES: dict[str, Variable] = {
     ),
     "io_threads": _var(Integer(1, 1024), "MPACCEL_IO_THREADS"),
     "mpi_progress": _var(Number(0.0, 60_000.0, "milliseconds"), "MPACCEL_MPI_PROGRESS"),
+    "progress": _var(
+        Choice(("auto", "bar", "lines", "off", "1", "0", "true", "false", "yes", "no", "on")),
+        "MPACCEL_PROGRESS",
+    ),
     "test_timeout": _var(Number(0.0, YEAR, "seconds"), "MPACCEL_TEST_TIMEOUT"),
     "mpiexec": _var(TEXT, "MPACCEL_MPIEXEC"),
     "ci": _var(TEXT, "CI"),

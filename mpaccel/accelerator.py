@@ -16,24 +16,9 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, distributed, ops, tracking, training
-from . import slurm as slurm_support
-from .data import PreparedLoader, skip_first_batches
-from .errors import ConfigurationError
-from .prepare import agreed_seed
-from .prepare import build as build_prepared
-from .samplers import ShardedBatchSampler
-from .state import AcceleratorState, GradientState, PartialState
-from .training import (
-    AcceleratedOptimizer,
-    AcceleratedScheduler,
-    autocast_context,
-    compile_model,
-    make_grad_scaler,
-    patch_forward,
-    warn_fp16_on_cpu,
-)
-from .utils.dataclasses import (
+from . import checkpoint, distributed, ops, preemption, tracking, training
+from .comm import agreement
+from .config import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -47,7 +32,22 @@ from .utils.dataclasses import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from .utils.memory import release_memory
+from .data import PreparedLoader, skip_first_batches
+from .device import release_memory
+from .errors import ConfigurationError, MpaccelRuntimeWarning, MpaccelWarning
+from .prepare import agreed_seed
+from .prepare import build as build_prepared
+from .samplers import ShardedBatchSampler
+from .state import AcceleratorState, GradientState, PartialState
+from .training import (
+    AcceleratedOptimizer,
+    AcceleratedScheduler,
+    autocast_context,
+    compile_model,
+    make_grad_scaler,
+    patch_forward,
+    warn_fp16_on_cpu,
+)
 
 
 def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, Any]:
@@ -180,7 +180,7 @@ class Accelerator:
         self._data_seed: int | None = dataloader_config.data_seed
         self._custom_objects: list[Any] = []
         self._async_saver = checkpoint.AsyncSaver()
-        self._preemption: slurm_support.Preemption | None = None
+        self._preemption: preemption.Preemption | None = None
         self._save_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
         self._load_model_state_pre_hook: OrderedDict[int, Callable] = OrderedDict()
 
@@ -201,7 +201,11 @@ class Accelerator:
 
     @property
     def _partial(self) -> PartialState:
-        return self.state._partial
+        # Still the process's PartialState after AcceleratorState._reset_state(), as with
+        # Accelerate: process facts and control answer then (its test scripts reset and then
+        # ask is_local_main_process); the configuration (device, mixed precision) does not.
+        partial = getattr(self.state, "_partial", None)
+        return partial if partial is not None else PartialState()
 
     @property
     def device(self) -> torch.device:
@@ -412,8 +416,11 @@ class Accelerator:
         config: dict[str, Any] | None = None,
         init_kwargs: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        """Start the trackers of `log_with` on the main process and record `config` there.
-        Not collective; call it on every rank (the others do nothing)."""
+        """Start the trackers of `log_with` on the main process and record `config` there
+        (hyperparameters); `init_kwargs={"wandb": {...}}` go to each tracker's constructor.
+        Not collective. Called on every rank, each checks that the trackers writing files
+        have a logging directory, so that all raise alike; the others then do nothing."""
+        tracking.check_logging_dir(self.log_with, self.logging_dir)
         if not self.is_main_process:
             return
         self.trackers = tracking.start(
@@ -424,12 +431,13 @@ class Accelerator:
                 tracker.store_init_configuration(config)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called `name` (its underlying object if `unwrap`); on the other
-        processes, a blank tracker whose methods do nothing."""
+        """The running tracker called `name` (its library's object if `unwrap`). Where no
+        tracker runs (the other processes, or none started), a blank tracker whose methods do
+        nothing, as in Accelerate, so the same code runs on every rank."""
         for tracker in self.trackers:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
-        if self.is_main_process:
+        if self.trackers:
             raise ConfigurationError(
                 f"no tracker named {name!r} (running: {[t.name for t in self.trackers]})",
                 "pass it to Accelerator(log_with=...) and call init_trackers() first.",
@@ -606,13 +614,11 @@ class Accelerator:
                     f"joining uneven inputs is only supported for multi-GPU and multi-CPU "
                     f"DistributedDataParallel training, not {self.distributed_type}: "
                     f"join_uneven_inputs has no effect",
-                    UserWarning,
+                    MpaccelWarning,
                     stacklevel=3,
                 )
             yield
             return
-        from torch.distributed.algorithms import Join
-
         changed = []
         if even_batches is not None:
             for loader in self._dataloaders:
@@ -623,7 +629,7 @@ class Accelerator:
                 warnings.warn(
                     "overriding even_batches in join_uneven_inputs is only supported for "
                     "map-style datasets; the loaders of iterable datasets keep their setting",
-                    UserWarning,
+                    MpaccelWarning,
                     stacklevel=3,
                 )
         else:
@@ -634,13 +640,11 @@ class Accelerator:
                 "synchronises gradients at its last batch while the others are inside no_sync, "
                 "and DDP's all-reduces then no longer pair up (the job waits until the "
                 "timeout); accumulate only where every rank has the same number of batches",
-                RuntimeWarning,
+                MpaccelRuntimeWarning,
                 stacklevel=3,
             )
         try:
-            # The DDP inside a compiled model is the Joinable
-            joinables = [distributed.ddp_of(j) or j for j in joinables]
-            with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
+            with distributed.join(joinables, enable=not even_batches):
                 yield
         finally:
             for sharding, value in changed:
@@ -890,14 +894,10 @@ class Accelerator:
         hooks may shorten, one entry per prepared model); returns the models whose entries
         remain, the same on every rank (a hook failing on any rank fails every rank)."""
         entries = list(listed)
-        error: BaseException | None = None
-        try:
+        comm = self._partial.comm
+        with agreement(comm, what):
             for hook in hooks:
                 hook(*arguments)
-        except Exception as exc:
-            error = exc
-        comm = self._partial.comm
-        comm.agree(error, what)
         kept = [i for i, entry in enumerate(entries) if any(entry is e for e in listed)]
         everyone = comm.allgather(kept, what)
         if any(k != kept for k in everyone):
@@ -992,14 +992,14 @@ class Accelerator:
     # -- preemption (Slurm) ----------------------------------------------------------------------
 
     def handle_preemption(
-        self, signals: Any = slurm_support.DEFAULT_SIGNALS, requeue: bool = True
+        self, signals: Any = preemption.DEFAULT_SIGNALS, requeue: bool = True
     ) -> None:
         """Not collective. From now on SIGUSR1/SIGTERM (Slurm's --signal, preemption, the
         wall-time limit) are only recorded; the loop then asks should_stop() at step
         boundaries and calls checkpoint_and_exit(). `requeue`: put the job back in the queue."""
         if self._preemption is not None:
             self._preemption.uninstall()
-        self._preemption = slurm_support.Preemption(signals, requeue)
+        self._preemption = preemption.Preemption(signals, requeue)
         self._preemption.install()
 
     def should_stop(self) -> bool:
@@ -1029,18 +1029,18 @@ class Accelerator:
         self._partial.comm.finalize()
         requeued = False
         if self.is_main_process and self._preemption is not None and self._preemption.requeue:
-            requeued = slurm_support.requeue()
+            requeued = preemption.requeue()
         self.print(
             f"mpaccel: checkpoint {directory} committed"
             + ("; job requeued" if requeued else "")
             + "; exiting"
         )
-        slurm_support.exit_cleanly(exit_code)
+        preemption.exit_cleanly(exit_code)
 
     @property
     def restart_count(self) -> int:
         """SLURM_RESTART_COUNT: 0 on the first run, n after n requeues."""
-        return slurm_support.restart_count()
+        return preemption.restart_count()
 
     @property
     def save_iteration(self) -> int:

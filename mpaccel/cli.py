@@ -1,4 +1,5 @@
-"""The `mpaccel` command: `mpaccel env` prints a plain-text report to paste into a bug report.
+"""The `mpaccel` command: `mpaccel env` prints a plain-text report to paste into a bug report;
+`mpaccel slurm template NAME` prints a job script; `mpaccel --version`.
 
 `collect_env_facts()` gathers the facts (collective under mpiexec/srun), `render_env_report()`
 turns them into text (pure, pinned by golden files).
@@ -11,15 +12,17 @@ import dataclasses
 import os
 import platform
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from . import __version__, _env
+from . import _env
+from ._version import __version__
 from .device import select_device
 from .discovery import discover, import_mpi
 from .environments import SlurmFacts, detect_launcher
-from .environments.slurm import runs_text
+from .environments.slurm_facts import runs_text
 from .errors import MpaccelError
 
 Facts = dict[str, Any]
@@ -314,10 +317,65 @@ def _run_env(args: argparse.Namespace) -> int:
     return 1 if facts["launch_problem"] else 0
 
 
+def _run_slurm_template(args: argparse.Namespace) -> int:
+    from . import templates
+
+    available = templates.names("slurm")
+    if args.list:
+        width = max(map(len, available))
+        for name in available:
+            sys.stdout.write(f"{name:<{width}}  {templates.summary(name)}\n")
+        return 0
+    if args.name not in available:
+        given = "which one?" if args.name is None else f"no template named {args.name!r};"
+        sys.stderr.write(
+            f"mpaccel slurm template: {given} the templates are {', '.join(available)}\n"
+            "HINT: `mpaccel slurm template --list` says what each is for; "
+            "`mpaccel slurm template single_node > job.sbatch` writes one.\n"
+        )
+        return 2
+    if args.script is not None:
+        command = f"python {shlex.quote(args.script)}"
+    elif args.module is not None:
+        command = f"python -m {shlex.quote(args.module)}"
+    else:
+        command = templates.DEFAULT_COMMAND
+    sys.stdout.write(templates.render(args.name, command))
+    return 0
+
+
+def _add_slurm_commands(commands: Any) -> None:
+    slurm = commands.add_parser(
+        "slurm", help="Slurm job scripts", description="Slurm job scripts."
+    )
+    slurm_commands = slurm.add_subparsers(dest="slurm_command", metavar="COMMAND")
+    template = slurm_commands.add_parser(
+        "template",
+        help="print a job script to edit and submit (`mpaccel slurm template --list`)",
+        description="Print a Slurm job script to edit and submit: "
+        "`mpaccel slurm template single_node > job.sbatch && sbatch job.sbatch --epochs 20`. "
+        "It runs the example that ships with mpaccel (python -m mpaccel.examples.train) "
+        "unless --script or --module names yours; the script's own arguments follow sbatch's.",
+    )
+    template.add_argument("name", nargs="?", help="the template (see --list)")
+    template.add_argument("--list", action="store_true", help="list the templates and exit")
+    which = template.add_mutually_exclusive_group()
+    which.add_argument("--script", metavar="PATH", help="run `python PATH` (your script)")
+    which.add_argument("--module", metavar="MODULE", help="run `python -m MODULE`")
+    template.set_defaults(run=_run_slurm_template)
+    slurm.set_defaults(run=lambda args: _usage(slurm))
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpaccel", description="Tools for PyTorch jobs run with mpaccel."
     )
+    parser.add_argument("--version", action="version", version=f"mpaccel {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     env = commands.add_parser(
         "env",
@@ -329,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .checkpoint.cli import add_commands
 
     add_commands(commands)
+    _add_slurm_commands(commands)
     return parser
 
 

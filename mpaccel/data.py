@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from .device import send_to_device
+from .errors import MpaccelRuntimeWarning
+from .rng import check_rng_types, rng_kind, synchronize_with
 from .samplers import GeneratorReplay, ShardedBatchSampler, _Shares
-from .utils.operations import send_to_device
-from .utils.random import check_rng_types, rng_kind, synchronize_with
 
 __all__ = [
     "DataLoaderShard",
@@ -284,7 +285,7 @@ class PreparedLoader:
                 f"resuming at another world size: {consumed} {what} were consumed, not a whole "
                 f"number of the new global batch ({unit} {what}); "
                 f"{rest} {what} of the epoch will be seen twice",
-                RuntimeWarning,
+                MpaccelRuntimeWarning,
                 stacklevel=3,
             )
         return batches

@@ -1,9 +1,13 @@
-"""Which torch device a process uses: one GPU per local rank when CUDA is present, else the CPU."""
+"""Which torch device a process uses: one GPU per local rank when CUDA is present, else the CPU;
+putting things on it, and giving back the memory its allocator caches."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from .errors import LaunchError
 
@@ -54,16 +58,12 @@ def sharing_error(shared: dict[tuple[str, str], list[int]]) -> LaunchError:
 
 def gpu_uuid(device: Any) -> str | None:
     """The physical identity of a CUDA device (None where torch cannot tell)."""
-    import torch
-
     props = torch.cuda.get_device_properties(device)
     uuid = getattr(props, "uuid", None)
     return str(uuid) if uuid is not None else None
 
 
 def current_device(cpu: bool, local_process_index: int, local_num_processes: int):
-    import torch
-
     available = torch.cuda.is_available()
     count = torch.cuda.device_count() if available else 0
     name = select_device(cpu, available, count, local_process_index, local_num_processes)
@@ -81,3 +81,54 @@ def check_gpus_not_shared(comm: Any, hostname: str, device: Any) -> None:
     shared = shared_gpus(rows)
     if shared:
         raise sharing_error(shared)
+
+
+def send_to_device(
+    tensor: Any,
+    device: torch.device | str | int,
+    non_blocking: bool = False,
+    skip_keys: str | Sequence[str] | None = None,
+) -> Any:
+    """Not collective. `tensor` on `device`: a tensor, or anything with a `.to` method (a
+    tokenizer's BatchEncoding, a module), or lists, tuples, named tuples and mappings of those,
+    rebuilt with the same types; the values of mappings under `skip_keys` stay where they are,
+    and anything else is returned as it is."""
+    if isinstance(tensor, torch.Tensor) or hasattr(tensor, "to"):
+        try:
+            return tensor.to(device, non_blocking=non_blocking)
+        except TypeError:  # a .to() without non_blocking
+            return tensor.to(device)
+    if isinstance(tensor, tuple) and hasattr(tensor, "_fields"):  # a named tuple
+        return type(tensor)(*(send_to_device(t, device, non_blocking, skip_keys) for t in tensor))
+    if isinstance(tensor, (list, tuple)):
+        return type(tensor)(send_to_device(t, device, non_blocking, skip_keys) for t in tensor)
+    if isinstance(tensor, Mapping):
+        skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
+        return type(tensor)(  # type: ignore[call-arg]
+            {
+                k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)
+                for k, v in tensor.items()
+            }
+        )
+    return tensor
+
+
+def clear_device_cache(garbage_collection: bool = False) -> None:
+    """Return the memory torch's allocator caches on this machine's accelerator (CUDA, XPU,
+    MPS); `garbage_collection`: run gc.collect() first (slow)."""
+    if garbage_collection:
+        gc.collect()
+    for name in ("cuda", "xpu", "mps"):
+        module = getattr(torch, name, None)
+        available = getattr(module, "is_available", None)
+        if module is not None and available is not None and available():
+            module.empty_cache()
+
+
+def release_memory(*objects: Any) -> list[None]:
+    """`objects` replaced by None, after a garbage collection and emptying the device cache:
+    `a, b = release_memory(a, b)`. Not collective."""
+    released: list[None] = [None] * len(objects)
+    del objects
+    clear_device_cache(garbage_collection=True)
+    return released

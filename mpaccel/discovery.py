@@ -10,9 +10,9 @@ import os
 import socket
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _env
 from .comm import Comm, MPIComm, NullComm
@@ -21,14 +21,11 @@ from .environments import (
     ProcessInfo,
     SingleProcess,
     SlurmFacts,
-    SrunLauncher,
     detect_launcher,
     layout_from_node_keys,
-    leftover_notes,
 )
 from .environments.mpi import check_pmix_before_init
-from .environments.slurm import allocation_warnings, check_srun_layout
-from .errors import ConfigurationError, LaunchError, MpaccelError
+from .errors import ConfigurationError, LaunchError, MpaccelError, MpaccelRuntimeWarning
 
 
 @dataclass(frozen=True)
@@ -71,21 +68,19 @@ def import_mpi() -> Any:
     return MPI
 
 
-def load_mpi(launcher: Launcher) -> Any | None:
-    """import_mpi(), or None when there is no MPI and none is needed."""
-    try:
-        return import_mpi()
-    except (ImportError, RuntimeError) as exc:  # no libmpi (mpi4py 4 raises RuntimeError)
-        expected = launcher.expected_world_size()
-        if isinstance(launcher, SingleProcess) or not expected or expected == 1:
-            return None
-        raise LaunchError(
-            f"{launcher.name} started {expected} processes but mpi4py cannot load an MPI "
-            f"library: {exc}",
-            "install one into the environment (`pip install mpaccel[mpich]` or "
-            "`pip install mpich`), or point mpi4py at the cluster's: MPI4PY_LIBMPI=/path/to/"
-            "libmpi.so (`module load` the MPI your mpiexec belongs to).",
-        ) from exc
+def check_mpi_loaded(launcher: Launcher, missing: Exception) -> None:
+    """mpi4py could not load an MPI library (`missing` says why): fine for one process, a
+    LaunchError when `launcher` started several."""
+    expected = launcher.expected_world_size()
+    if not expected or expected == 1:
+        return
+    raise LaunchError(
+        f"{launcher.name} started {expected} processes but mpi4py cannot load an MPI "
+        f"library: {missing}",
+        "install one into the environment (`pip install mpaccel[mpich]` or "
+        "`pip install mpich`), or point mpi4py at the cluster's: MPI4PY_LIBMPI=/path/to/"
+        "libmpi.so (`module load` the MPI your mpiexec belongs to).",
+    ) from missing
 
 
 def init_mpi(MPI: Any) -> None:
@@ -149,9 +144,11 @@ class _LaunchVariables:
     progress_ms: float | None
 
     @classmethod
-    def parse(cls, env: _env.Snapshot) -> _LaunchVariables:
+    def parse(cls, env: _env.Snapshot, mpi_library: str | None) -> _LaunchVariables:
+        """`mpi_library`: what mpi4py loaded (None: no library), which decides between the
+        variables of two MPI launchers."""
         _env.check(env)  # every variable of the table, whoever reads it later
-        launcher = detect_launcher(env)
+        launcher = detect_launcher(env, mpi_library)
         launcher.expected_world_size()  # parses the launcher's count now, not after MPI_Init
         return cls(
             SlurmFacts.from_env(env),
@@ -159,6 +156,16 @@ class _LaunchVariables:
             _env.get_bool("skip_launch_checks", False, env),
             _env.get_float("mpi_progress", env),
         )
+
+
+class RankFacts(NamedTuple):
+    """What each rank tells the others in discovery's one gather."""
+
+    node_key: Hashable  # the launcher's name for this rank's node, else its shared memory's
+    host: str
+    slurm: SlurmFacts
+    cores: frozenset[int]  # the CPUs this rank may run on
+    problem: MpaccelError | None  # this rank's launch or configuration mistake
 
 
 def core_share(keys: Sequence[Any], cores: Sequence[frozenset[int]], rank: int) -> int:
@@ -177,35 +184,46 @@ def discover(
 ) -> Discovery:
     """Collective over COMM_WORLD: every process of the job must call this, once.
 
-    Initialises MPI (unless done before) after the checks that need no MPI world. A malformed
-    variable on some ranks only is raised on every rank once MPI is up: raised before MPI_Init
-    on those ranks alone, it would leave the others waiting in MPI_Init. `problem` is such an
-    error the caller found (a malformed setting of its own).
+    In this order: the MPI library is loaded without MPI_Init; the environment's variables
+    are checked, and the launcher detected, once, knowing the library; a PMIx launcher is
+    checked against the library; MPI_Init; the launcher's count against the world's size; one
+    gather of every rank's RankFacts; then the launcher's own checks (Launcher.check_layout)
+    and warnings (leftover_notes, allocation_notes). MPACCEL_SKIP_LAUNCH_CHECKS skips the
+    checks, not the warnings.
+
+    A malformed variable on some ranks only is raised on every rank once MPI is up: raised
+    before MPI_Init on those ranks alone, it would leave the others waiting in MPI_Init.
+    `problem` is such an error the caller found (a malformed setting of its own).
     """
     env = _env.snapshot() if env is None else env
     host = socket.gethostname()
+    MPI: Any = None
+    missing: Exception | None = None
+    try:
+        MPI = import_mpi()
+    except (ImportError, RuntimeError) as exc:  # no libmpi (mpi4py 4 raises RuntimeError)
+        missing = exc
+    library = None if MPI is None else MPI.Get_library_version().strip()  # before MPI_Init too
     parsed: _LaunchVariables | None = None
     try:
-        parsed = _LaunchVariables.parse(env)
+        parsed = _LaunchVariables.parse(env, library)
     except (ConfigurationError, LaunchError) as exc:
         problem = problem or exc
-    MPI = load_mpi(parsed.launcher if parsed else SingleProcess(env))
+    launcher = parsed.launcher if parsed else SingleProcess(env)
     if MPI is None:
+        assert missing is not None
+        check_mpi_loaded(launcher, missing)
         if problem is not None:
             raise problem
         assert parsed is not None
         comm: Comm = NullComm(host, default_timeout)
         return Discovery(
-            ProcessInfo.single(host), parsed.launcher, comm, "no MPI library", None,
+            ProcessInfo.single(host), launcher, comm, "no MPI library", None,
             parsed.slurm, (host,),
         )
-    library = MPI.Get_library_version().strip()  # allowed before MPI_Init
+    assert library is not None
     version = MPI.Get_version()
-    notes: list[str] = []
-    launcher: Launcher = SingleProcess(env)
-    if parsed is not None:
-        launcher = detect_launcher(env, library)
-        notes = leftover_notes(env, launcher, library)
+    notes = launcher.leftover_notes(library)
     skip = parsed.skip_checks if parsed else False
     if not skip and not MPI.Is_initialized():
         try:
@@ -226,12 +244,14 @@ def discover(
         if problem is not None:
             raise problem
         comm = NullComm(host, default_timeout)
-        notes += allocation_warnings(slurm, launcher, 1, 1 if slurm.nodename else None)
+        notes += launcher.allocation_notes(slurm, 1, 1 if slurm.nodename else None)
         return Discovery(
             ProcessInfo.single(host), launcher, comm, library, version, slurm, (host,), tuple(notes)
         )
 
-    mpi_comm = MPIComm(world, default_timeout)
+    # The job's communicator is made once its settings are known (hosts, oversubscription):
+    # the facts are gathered on a communicator of discovery's own, freed afterwards.
+    gathering = MPIComm(world, default_timeout, interruptible=False)
     # Every rank splits, whatever its launcher says, so that the collectives are the same on
     # every rank even when one of them could not read its variables.
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
@@ -240,31 +260,35 @@ def discover(
     key = launcher.node_key() if parsed else None
     # A rank's own launcher variables may disagree with the others' (a hand-made value): the
     # verdict is taken from everyone's, so every rank raises the same error and none waits.
-    gathered = mpi_comm.allgather(
-        (shm_key if key is None else key, host, slurm, _cores(), problem),
-        what="process discovery",
-    )
-    failed = [r for r, g in enumerate(gathered) if g[4] is not None]
+    mine = RankFacts(shm_key if key is None else key, host, slurm, _cores(), problem)
+    gathered: list[RankFacts] = gathering.allgather(mine, what="process discovery")
+    gathering.free()
+    failed = [r for r, g in enumerate(gathered) if g.problem is not None]
     if failed:
-        raise _named(gathered[failed[0]][4], failed, len(gathered), [g[1] for g in gathered])
+        first = gathered[failed[0]].problem
+        assert first is not None
+        raise _named(first, failed, len(gathered), [g.host for g in gathered])
     assert parsed is not None  # else this rank's problem was raised above
-    if parsed.progress_ms is not None and parsed.progress_ms > 0:
-        mpi_comm.keep_progressing(parsed.progress_ms / 1000.0)
-    keys = [g[0] for g in gathered]
-    hosts = tuple(g[1] for g in gathered)
-    mpi_comm.hosts = hosts
-    rank = mpi_comm.rank
-    if node_oversubscribed(keys, [g[3] for g in gathered], rank):
-        mpi_comm.oversubscribed()
+    progress = parsed.progress_ms
+    keys = [g.node_key for g in gathered]
+    hosts = tuple(g.host for g in gathered)
+    cores = [g.cores for g in gathered]
+    rank = gathering.rank
+    mpi_comm = MPIComm(
+        world,
+        default_timeout,
+        hosts=hosts,
+        oversubscribed=node_oversubscribed(keys, cores, rank),
+        progress_interval=progress / 1000.0 if progress is not None and progress > 0 else None,
+    )
     info = layout_from_node_keys(keys, rank, host)
-    share = core_share(keys, [g[3] for g in gathered], rank)
-    facts = [g[2] for g in gathered]
-    if not skip and isinstance(launcher, SrunLauncher):
-        infos = [layout_from_node_keys(keys, r, hosts[r]) for r in range(len(keys))]
-        check_srun_layout(facts, infos)
+    share = core_share(keys, cores, rank)
+    facts = [g.slurm for g in gathered]
+    if not skip:
+        launcher.check_layout(facts, keys, hosts)
     names = {f.nodename for f in facts}
     nodes = None if None in names else len(names)
-    notes += allocation_warnings(slurm, launcher, mpi_comm.size, nodes)
+    notes += launcher.allocation_notes(slurm, mpi_comm.size, nodes)
     return Discovery(
         info, launcher, mpi_comm, library, version, slurm, hosts, tuple(notes), share
     )
@@ -285,4 +309,4 @@ def _named(
 def emit_warnings(discovery: Discovery) -> None:
     if discovery.info.is_main_process:
         for note in discovery.warnings:
-            warnings.warn(note, RuntimeWarning, stacklevel=3)
+            warnings.warn(note, MpaccelRuntimeWarning, stacklevel=3)

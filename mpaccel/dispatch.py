@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from .data import PreparedLoader
-from .errors import CollectiveError, RankFailure
+from .errors import CollectiveError, RankFailure, with_hint
 from .samplers import GeneratorReplay, _Shares
 from .split import share_bounds
 
@@ -30,24 +30,24 @@ def concatenate_batches(batches: list[Any]) -> Any:
             return torch.cat(batches, dim=0)
         except RuntimeError as exc:
             shapes = [tuple(b.shape) for b in batches]
-            raise ValueError(
-                f"dispatch_batches cannot put together batches of shapes {shapes}: {exc}\n"
-                "HINT: with dispatch_batches=True rank 0 joins the batches of one round into "
+            raise ValueError(with_hint(
+                f"dispatch_batches cannot put together batches of shapes {shapes}: {exc}",
+                "with dispatch_batches=True rank 0 joins the batches of one round into "
                 "one; give them the same shape past the first dimension (pad them in "
                 "collate_fn), pass split_batches=True (rank 0 then cuts each batch alone), or "
-                "dispatch_batches=False (each rank reads its own batches)."
-            ) from exc
+                "dispatch_batches=False (each rank reads its own batches).",
+            )) from exc
     if isinstance(first, Mapping):
         return type(first)({k: concatenate_batches([b[k] for b in batches]) for k in first})  # type: ignore[call-arg]
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(concatenate_batches(list(p)) for p in zip(*batches)))
     if isinstance(first, (list, tuple)):
         return type(first)(concatenate_batches(list(p)) for p in zip(*batches))
-    raise TypeError(
+    raise TypeError(with_hint(
         f"dispatch_batches can only dispatch batches of tensors (or lists, tuples and dicts of "
-        f"them), got a {type(first).__name__}: {first!r}\n"
-        "HINT: return tensors from collate_fn, or pass dispatch_batches=False."
-    )
+        f"them), got a {type(first).__name__}: {first!r}",
+        "return tensors from collate_fn, or pass dispatch_batches=False.",
+    ))
 
 
 def slice_batch(
@@ -102,11 +102,11 @@ def _rows(data: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor."""
     if isinstance(data, torch.Tensor):
         if data.dim() == 0:
-            raise ValueError(
-                f"dispatch_batches cannot cut a batch that is a 0-d tensor ({data!r}) into parts\n"
-                "HINT: a loader with batch_size=None must yield whole batches to be dispatched; "
-                "or pass dispatch_batches=False."
-            )
+            raise ValueError(with_hint(
+                f"dispatch_batches cannot cut a batch that is a 0-d tensor ({data!r}) into parts",
+                "a loader with batch_size=None must yield whole batches to be dispatched; "
+                "or pass dispatch_batches=False.",
+            ))
         return int(data.shape[0])
     if isinstance(data, Mapping):
         values = list(data.values())

@@ -14,6 +14,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _env
-from .comm import Comm
+from .comm import Comm, agreement
 from .environments import ProcessInfo
 from .errors import ConfigurationError, LaunchError
 
@@ -206,11 +207,10 @@ def init_process_group(
     # backoff sleeps (3.2 s for 2 on a loaded node). Rank 0 has nothing to connect to and waits
     # in the verdicts that follow: they allow more, lest rank 0 time out there first.
     verdict_timeout = 2 * store_timeout.total_seconds() + 10.0
-    error: BaseException | None = None
     store = None
     endpoint = None
-    if info.is_main_process:
-        try:
+    with agreement(comm, "torch.distributed rendezvous (opening the store on rank 0)"):
+        if info.is_main_process:
             env = _env.snapshot()
             override = address_override(env)
             origin = None
@@ -224,27 +224,24 @@ def init_process_group(
                 host, 0, info.num_processes, True, store_timeout, wait_for_workers=False
             )
             endpoint = (host, store.port, origin, info.hostname)
-        except Exception as exc:
-            error = exc
-    comm.agree(error, "torch.distributed rendezvous (opening the store on rank 0)")
     endpoint = comm.bcast(endpoint, root=0, what="torch.distributed rendezvous")
     host, port = endpoint[:2]
-    error = None
+
+    def join_error(exc: Exception) -> BaseException:
+        return _join_error(info, endpoint, exc)
+
     # Everyone connects before anyone starts the backend: a rank that cannot reach rank 0 is
     # reported by every rank, instead of rank 0 waiting in gloo's or NCCL's own connection.
-    if store is None:
-        try:
+    with agreement(
+        comm,
+        "torch.distributed rendezvous (connecting to rank 0's store)",
+        timeout=verdict_timeout,
+        wrap=join_error,
+    ):
+        if store is None:
             store = dist.TCPStore(host, port, info.num_processes, False, store_timeout)
-        except Exception as exc:
-            error = _join_error(info, endpoint, exc)
-    comm.agree(
-        error, "torch.distributed rendezvous (connecting to rank 0's store)", verdict_timeout
-    )
-    try:
+    with agreement(comm, "torch.distributed rendezvous", timeout=verdict_timeout, wrap=join_error):
         dist.init_process_group(store=store, **kwargs)
-    except Exception as exc:
-        error = _join_error(info, endpoint, exc)
-    comm.agree(error, "torch.distributed rendezvous", verdict_timeout)
     return chosen
 
 
@@ -344,6 +341,17 @@ def ddp_of(model: Any) -> Any:
     while not is_ddp(model) and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
         model = model._orig_mod
     return model if is_ddp(model) else None
+
+
+def join(joinables: list[Any], enable: bool = True) -> AbstractContextManager[Any]:
+    """torch.distributed's Join around a block: collective in effect (every rank enters it).
+    The Joinables (DDP models) of a rank that ran out of inputs keep answering the others'
+    collectives until every rank has left the block. A compiled model's Joinable is the DDP
+    inside it. `enable=False`: the block runs as it is."""
+    from torch.distributed.algorithms import Join
+
+    inner = [ddp_of(j) or j for j in joinables]
+    return Join(inner, enable=enable, throw_on_early_termination=False)
 
 
 def register_comm_hook(

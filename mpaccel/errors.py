@@ -1,8 +1,27 @@
-"""mpaccel's exceptions. Each message says what went wrong and ends with a HINT to act on."""
+"""mpaccel's exceptions and warnings. Each message says what went wrong and ends with a HINT to
+act on, written by with_hint()."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
+
+def with_hint(message: str, hint: str | None, separator: str = "\n") -> str:
+    """`message` followed by `HINT: hint` (just `message` when there is no hint): the one way
+    mpaccel writes a HINT. Errors give it a line of its own; warnings, which are one line,
+    pass separator=" "."""
+    return message if hint is None else f"{message}{separator}HINT: {hint}"
+
+
+class MpaccelWarning(UserWarning):
+    """Base class of every warning mpaccel emits, so that one filter takes them all:
+    warnings.filterwarnings("ignore", category=mpaccel.MpaccelWarning)."""
+
+
+class MpaccelRuntimeWarning(MpaccelWarning, RuntimeWarning):
+    """A warning about how the job runs (a launch that leaves part of a Slurm allocation idle,
+    a block that may hang, a requeue Slurm refused). Also a RuntimeWarning, the category these
+    warnings had before mpaccel had its own, so filters written for that still match."""
 
 
 class MpaccelError(Exception):
@@ -11,7 +30,7 @@ class MpaccelError(Exception):
     def __init__(self, message: str, hint: str | None = None) -> None:
         self.message = message
         self.hint = hint
-        super().__init__(message if hint is None else f"{message}\nHINT: {hint}")
+        super().__init__(with_hint(message, hint))
 
     def __reduce__(self):  # keep the (message, hint) split when pickled by mpi4py
         return (type(self), (self.message, self.hint))

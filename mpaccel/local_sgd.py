@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from .config import DistributedType
 from .errors import ConfigurationError
-from .utils.dataclasses import DistributedType
 
 
 class LocalSGD:

@@ -1,9 +1,12 @@
 """get_logger: a logger whose records are emitted on the main process only, unless asked.
 
 logger = get_logger(__name__)
-logger.info("epoch done")                          # main process only
-logger.info("my shard", main_process_only=False)   # every process
-logger.info("in turn", main_process_only=False, in_order=True)  # rank by rank (collective)
+logger.info("epoch done")                          # main process only: "[RANK 0] epoch done"
+logger.info("my shard", main_process_only=False)   # every process, "[RANK r] my shard"
+logger.info("in turn", in_order=True)              # every process, rank by rank (collective)
+
+Records go through the standard logging machinery: configure a handler (logging.basicConfig)
+to see them.
 """
 
 from __future__ import annotations
@@ -16,23 +19,29 @@ from . import _env
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):
-    """Prefixes nothing, filters by rank. `in_order=True` is collective (a barrier per rank)."""
+    """Prefixes each message with `[RANK r] ` and filters by rank, as Accelerate's adapter does.
+    `in_order=True` (collective: a barrier per rank) logs on every rank in turn, whatever
+    `main_process_only` says."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        from .state import PartialState
+
+        msg, kwargs = super().process(msg, kwargs)
+        kwargs.setdefault("stacklevel", 2)  # the caller's line, not this module's
+        return f"[RANK {PartialState().process_index}] {msg}", kwargs
 
     def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
         from .state import PartialState
 
         main_only = kwargs.pop("main_process_only", True)
         in_order = kwargs.pop("in_order", False)
-        kwargs.setdefault("stacklevel", 2)
         if not self.isEnabledFor(level):
             return
         state = PartialState()
-        if main_only:
-            if state.is_main_process:
-                self.logger.log(level, msg, *args, **kwargs)
-            return
+        msg, kwargs = self.process(msg, kwargs)
         if not in_order:
-            self.logger.log(level, msg, *args, **kwargs)
+            if state.is_main_process or not main_only:
+                self.logger.log(level, msg, *args, **kwargs)
             return
         for rank in range(state.num_processes):
             if rank == state.process_index:

@@ -317,6 +317,32 @@ def broadcast_object_list(comm: Comm, objects: list[Any], from_process: int = 0)
     return objects
 
 
+def copy_tensor_to_devices(
+    comm: Comm, tensor: torch.Tensor | None, device: torch.device | str
+) -> torch.Tensor:
+    """Collective: the tensor exactly one rank passes (the others pass None), as a new tensor on
+    `device` on every rank. Unlike broadcast, the others need not know its shape or dtype: they
+    ride in one exchange, which also finds the holder (none, or several, is the same error on
+    every rank)."""
+    held = (tuple(tensor.shape), str(tensor.dtype)) if tensor is not None else None
+    facts = _exchange(comm, "copy_tensor_to_devices", held, "copy_tensor_to_devices")
+    holders = [rank for rank, fact in enumerate(facts) if fact is not None]
+    if len(holders) != 1:
+        raise DistributedOperationException(
+            "copy_tensor_to_devices needs the tensor on exactly one rank; "
+            f"{_rank_list(holders) if holders else 'no rank'} passed one",
+            "pass the tensor on the rank that has it and None on every other rank, or use "
+            "broadcast() when every rank holds a tensor of the same shape.",
+            "copy_tensor_to_devices",
+        )
+    shape, dtype = facts[holders[0]]
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
+    else:
+        tensor = tensor.to(device, copy=True)
+    return tensor if comm.size == 1 else distributed.broadcast(tensor, holders[0])
+
+
 def pad_across_processes(
     comm: Comm, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
 ) -> Any:

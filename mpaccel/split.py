@@ -6,35 +6,35 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Set, ValuesView
 from typing import Any
 
-_HINT = "\nHINT: "
+from .errors import with_hint
 
 
 def _refuse(value: Any) -> TypeError:
     kind = type(value).__name__
     if isinstance(value, Set):  # set, frozenset, and dict.keys()/.items() views
-        return TypeError(
+        return TypeError(with_hint(
             f"split_between_processes cannot split a {kind}: it has no order that is the same "
             "on every process (a set iterates in hash order, and string hashes are salted per "
-            "process), so the shares would overlap and miss items" + _HINT + "pass "
-            "sorted(inputs), or a list in an order every process builds alike."
-        )
+            "process), so the shares would overlap and miss items",
+            "pass sorted(inputs), or a list in an order every process builds alike.",
+        ))
     if isinstance(value, ValuesView):
-        return TypeError(
-            f"split_between_processes cannot split a {kind} view: it cannot be sliced"
-            + _HINT + "pass list(d.values()) (the dict's order must be the same on every "
-            "process: build it alike, or split sorted(d.items()))."
-        )
+        return TypeError(with_hint(
+            f"split_between_processes cannot split a {kind} view: it cannot be sliced",
+            "pass list(d.values()) (the dict's order must be the same on every process: build "
+            "it alike, or split sorted(d.items())).",
+        ))
     if isinstance(value, Iterator):
-        return TypeError(
+        return TypeError(with_hint(
             f"split_between_processes cannot split a {kind}: it has no length, can be read only "
-            "once, and may yield in another order on another process" + _HINT + "pass "
-            "list(inputs), or sorted(inputs) when its order may differ between processes."
-        )
-    return TypeError(
-        f"split_between_processes cannot split a {kind}" + _HINT + "pass a list, tuple, "
-        "torch.Tensor, numpy array, datasets.Dataset, or a (nested) dict of those: anything "
-        "with len() and slicing."
-    )
+            "once, and may yield in another order on another process",
+            "pass list(inputs), or sorted(inputs) when its order may differ between processes.",
+        ))
+    return TypeError(with_hint(
+        f"split_between_processes cannot split a {kind}",
+        "pass a list, tuple, torch.Tensor, numpy array, datasets.Dataset, or a (nested) dict of "
+        "those: anything with len() and slicing.",
+    ))
 
 
 def _length(value: Any) -> int:

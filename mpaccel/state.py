@@ -8,9 +8,6 @@ group; resetting only forgets the configuration, so tests can build a fresh stat
 from __future__ import annotations
 
 import functools
-import os
-import sys
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -18,25 +15,24 @@ from typing import Any
 
 import torch
 
-from . import _env, distributed
-from .comm import Comm
-from .device import check_gpus_not_shared, current_device
-from .discovery import Discovery, discover, emit_warnings
-from .environments import ProcessInfo
-from .errors import CollectiveError, ConfigurationError, MpaccelError
-from .split import split_inputs
-from .utils.dataclasses import (
+from . import _env, distributed, lifecycle
+from .comm import Comm, agreement
+from .config import (
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
     as_timedelta,
 )
+from .device import check_gpus_not_shared, current_device
+from .discovery import Discovery, discover, emit_warnings
+from .environments import ProcessInfo
+from .errors import CollectiveError, ConfigurationError, MpaccelError
+from .split import split_inputs
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, like torch.distributed's default; MPACCEL_TIMEOUT overrides
 
 _discovery: Discovery | None = None
-_abort_hook_installed = False
 
 
 def _discover(timeout: float, problem: MpaccelError | None = None) -> Discovery:
@@ -49,48 +45,6 @@ def _discover(timeout: float, problem: MpaccelError | None = None) -> Discovery:
     elif problem is not None:
         raise problem
     return _discovery
-
-
-def _install_abort_hook(info: ProcessInfo, comm: Comm) -> None:
-    """An exception nobody caught on one rank ends the whole job, with its traceback tagged."""
-    global _abort_hook_installed
-    if _abort_hook_installed or info.num_processes == 1:
-        return
-    if not _env.get_bool("abort_on_exception", True):
-        return
-    tag = f"[mpaccel rank {info.process_index}/{info.num_processes} {info.hostname}]"
-
-    def hook(exc_type, exc, tb):
-        text = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip()
-        lines = [f"{tag} {line}" for line in text.splitlines()]
-        if _called_from_running_code():
-            # Not an uncaught exception: C extensions report errors they must ignore (Cython's
-            # unraisable errors in __dealloc__, e.g. h5py failing to close a file) through
-            # PyErr_PrintEx, which calls sys.excepthook while the program goes on.
-            lines.append(f"{tag} (reported by an extension while the program runs: not fatal)")
-            os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
-            return
-        lines.append(f"{tag} uncaught {exc_type.__name__}: aborting all ranks (MPI_Abort)")
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            # Straight to fd 2: sys.stderr may be a wrapper's buffer that MPI_Abort never flushes.
-            os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
-        finally:
-            comm.abort(1)
-
-    sys.excepthook = hook
-    _abort_hook_installed = True
-
-
-def _called_from_running_code() -> bool:
-    """True when sys.excepthook runs with Python frames below it. The interpreter calls it for
-    an uncaught exception only after unwinding every frame, so then there are none."""
-    try:
-        sys._getframe(2)  # 0: this function, 1: the hook, 2: whoever called the hook
-    except ValueError:
-        return False
-    return True
 
 
 def _limit_threads(found: Discovery) -> None:
@@ -174,7 +128,7 @@ class PartialState:
         timeout = pg.timeout or (timedelta(seconds=env_timeout) if env_timeout else None)
         default_timeout = timeout.total_seconds() if timeout else DEFAULT_TIMEOUT
         found = _discover(default_timeout)
-        found.comm.default_timeout = default_timeout  # type: ignore[attr-defined]
+        found.comm.set_default_timeout(default_timeout)
         info = found.info
         # Everything is computed before anything is shared: a failure here (a launch error,
         # a GPU shared by two ranks) leaves the state uninitialised, not half-built.
@@ -204,7 +158,9 @@ class PartialState:
             backend=backend,
         )
         # After init_process_group: torch wraps sys.excepthook there and buffers its output.
-        _install_abort_hook(info, self.comm)
+        lifecycle.install_abort_hook(
+            info.process_index, info.num_processes, info.hostname, self.comm.abort
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the instance and the class lack: after _reset_state().
@@ -318,21 +274,13 @@ class PartialState:
         # the same CollectiveError instead of the others going ahead or waiting forever.
         if not is_main:
             self.comm.agree(None, what)
-        error: Exception | None = None
-        try:
+        # A CollectiveError from the block was agreed on every rank already (a nested gate
+        # failed: the others learnt it at the gate they were waiting in), or a peer is gone:
+        # another agreement would meet nobody, or another gate, on the other ranks.
+        with agreement(self.comm, what, passing=(CollectiveError,)):
             yield
-        except CollectiveError:
-            # Agreed on every rank already (a nested gate failed: the others learnt it at the
-            # gate they were waiting in), or a peer is gone: another agreement here would meet
-            # nobody, or another gate, on the other ranks.
-            raise
-        except Exception as exc:
-            error = exc
         if is_main:
-            self.comm.agree(error, what)
             self.comm.agree(None, what)
-        else:
-            self.comm.agree(error, what)
 
     @contextmanager
     def main_process_first(self) -> Iterator[None]:
@@ -452,8 +400,9 @@ _ENGINES = {
 
 
 def _partials(name: str) -> property:
-    """A read-only property that is PartialState's of that name."""
-    return property(lambda self: getattr(self._partial, name), doc=f"PartialState.{name}")
+    """A read-only property that is PartialState's of that name (the process's PartialState,
+    so that it still answers after AcceleratorState._reset_state(), as Accelerate's does)."""
+    return property(lambda self: getattr(PartialState(), name), doc=f"PartialState.{name}")
 
 
 class AcceleratorState:
@@ -557,14 +506,16 @@ class AcceleratorState:
 
     # The process-control methods and facts Accelerate's AcceleratorState has are defined here,
     # so that the class has them (help, inspect.signature, hasattr on the class); the rest of
-    # PartialState's surface is reached through __getattr__.
+    # PartialState's surface is reached through __getattr__. As Accelerate's, they ask the
+    # process's PartialState, not this state's: they keep working after _reset_state() (its
+    # scripts reset, then call accelerator.is_local_main_process or state.destroy_process_group).
     def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
         """Collective; see PartialState.wait_for_everyone."""
-        self._partial.wait_for_everyone(timeout)
+        PartialState().wait_for_everyone(timeout)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """See PartialState.print."""
-        self._partial.print(*args, **kwargs)
+        PartialState().print(*args, **kwargs)
 
     use_distributed = _partials("use_distributed")
     is_main_process = _partials("is_main_process")
@@ -574,21 +525,21 @@ class AcceleratorState:
 
     def destroy_process_group(self, group: Any = None) -> None:
         """See PartialState.destroy_process_group."""
-        self._partial.destroy_process_group(group)
+        PartialState().destroy_process_group(group)
 
     def main_process_first(self) -> AbstractContextManager[None]:
         """Collective; see PartialState.main_process_first."""
-        return self._partial.main_process_first()
+        return PartialState().main_process_first()
 
     def local_main_process_first(self) -> AbstractContextManager[None]:
         """Collective; see PartialState.local_main_process_first."""
-        return self._partial.local_main_process_first()
+        return PartialState().local_main_process_first()
 
     def split_between_processes(
         self, inputs: Any, apply_padding: bool = False
     ) -> AbstractContextManager[Any]:
         """Not collective; see PartialState.split_between_processes."""
-        return self._partial.split_between_processes(inputs, apply_padding)
+        return PartialState().split_between_processes(inputs, apply_padding)
 
     @property
     def initialized(self) -> bool:

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigurationError
+from .device import send_to_device
+from .errors import ConfigurationError, MpaccelWarning
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,7 +52,7 @@ def warn_fp16_on_cpu(mixed_precision: str, device: torch.device) -> None:
         "mixed_precision='fp16' on CPU: mpaccel runs the prepared models under float16 autocast "
         "with a GradScaler, where Accelerate ignores fp16 on CPU and trains in float32. float16 "
         "on CPU is slow and loses precision; use mixed_precision='bf16' (or 'no') on CPU",
-        UserWarning,
+        MpaccelWarning,
         stacklevel=3,
     )
 
@@ -104,8 +105,6 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device)
     them. A fresh optimizer has no state: nothing to do."""
     if not optimizer.state:
         return
-    from .utils.operations import send_to_device
-
     optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
 
 

@@ -265,24 +265,41 @@ def test_a_cold_load_reads_behind_the_first_rank_of_the_node(mpi_tmp_path, comm,
     assert bool(following) == (acc.local_process_index > 0), acc.local_process_index
 
 
-def test_datasets_another_tool_rewrote_chunked_and_compressed_still_load(mpi_tmp_path, comm):
+def _rewrite_chunked(directory, **options):
+    """Rewrite every dataset of the model's shards chunked, as another tool may (h5repack)."""
+    for shard in glob.glob(os.path.join(directory, "model-*.h5")):
+        with h5py.File(shard, "r+") as f:
+            for name in list(f["model"]):
+                data, attrs = f["model"][name][()], dict(f["model"][name].attrs)
+                del f["model"][name]
+                ds = f["model"].create_dataset(name, data=data, chunks=True, **options)
+                ds.attrs.update(attrs)
+
+
+def test_datasets_another_tool_rewrote_chunked_still_load(mpi_tmp_path, comm):
+    """Chunked datasets load; compressed ones are refused by name before any byte is read (how
+    much memory HDF5's decompression takes is not bounded by the declared size: see
+    docs/checkpoint-format.md, "Loading untrusted checkpoints"), until decompressed."""
     acc, model, *_ = _setup()
-    target = mpi_tmp_path / "rewritten"
-    acc.save_model(model, target)
     expected = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        for shard in glob.glob(os.path.join(target, "model-*.h5")):
-            with h5py.File(shard, "r+") as f:
-                for name in list(f["model"]):
-                    data, attrs = f["model"][name][()], dict(f["model"][name].attrs)
-                    del f["model"][name]
-                    ds = f["model"].create_dataset(name, data=data, chunks=True, compression="gzip")
-                    ds.attrs.update(attrs)
-    acc.wait_for_everyone()
-    state = load_model_state(target)
-    for key, value in expected.items():
-        assert torch.equal(state[key], value), key
+    for options in ({}, {"compression": "gzip"}):
+        target = mpi_tmp_path / ("gzip" if options else "chunked")
+        acc.save_model(model, target)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            _rewrite_chunked(target, **options)
+        acc.wait_for_everyone()
+        if options:
+            with pytest.raises(CheckpointError, match=r"'model/\S+' is stored through HDF5 "
+                               r"filters \['deflate'\].*\nHINT: decompress the file first"):
+                load_model_state(target)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                _rewrite_chunked(target)  # what h5repack -f NONE does
+            acc.wait_for_everyone()
+        state = load_model_state(target)
+        for key, value in expected.items():
+            assert torch.equal(state[key], value), key
 
 
 def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm, monkeypatch):
@@ -472,6 +489,127 @@ def test_errors_are_raised_on_every_rank(mpi_tmp_path, comm):
     message = str(info.value)
     assert "model_0" in message and "1.weight" in message and "2.weight" in message, message
     assert info.value.failed_ranks == list(range(comm.size)) and "rank 0" in message
+
+
+_LOADER_FIELDS = ("iteration", "_started", "_epoch_seen", "_skip", "_skip_counted")
+
+
+def _everything(acc, model, opt, sched, loader, objects):
+    """Every part of the state a load may change, as values."""
+    optimizer = opt.state_dict()
+    return {
+        "model": {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()},
+        "optimizer": {(pid, n): v.clone() if torch.is_tensor(v) else v
+                      for pid, st in optimizer["state"].items() for n, v in st.items()},
+        "groups": optimizer["param_groups"],
+        "scheduler": sched.state_dict(),
+        "objects": [json.dumps(o.state_dict()) for o in objects],
+        "step": acc.step,
+        "loader": {name: loader.__dict__[name] for name in _LOADER_FIELDS},
+        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+    }
+
+
+def _assert_unchanged(before, after):
+    for part in ("model", "optimizer"):
+        assert before[part].keys() == after[part].keys(), part
+        for key, value in before[part].items():
+            same = torch.equal(value, after[part][key]) if torch.is_tensor(value) else (
+                value == after[part][key])
+            assert same, (part, key)
+    for part in ("groups", "scheduler", "objects", "step", "loader"):
+        assert before[part] == after[part], part
+    (torch_rng, py_rng, np_rng), (torch_now, py_now, np_now) = before["rng"], after["rng"]
+    assert torch.equal(torch_rng, torch_now) and py_rng == py_now
+    assert np_rng[0] == np_now[0] and np.array_equal(np_rng[1], np_now[1])
+    assert np_rng[2:] == np_now[2:]
+
+
+def _edit_index(directory, edit):
+    """Change the index as an attacker would, its checksum made to match."""
+    from mpaccel.checkpoint.format import INDEX_DIGEST, index_digest
+
+    path = directory / "state.index.json"
+    index = json.loads(path.read_text())
+    index.pop(INDEX_DIGEST)
+    edit(index)
+    path.write_text(json.dumps({**index, INDEX_DIGEST: index_digest(index)}))
+
+
+def _last_rank_part(index):
+    return index["per_rank"][-1]["components"]
+
+
+_DAMAGE = {
+    # (what is done to the checkpoint, the ranks whose check fails: "one" = the one rank that
+    # verifies the tensor, "last" = the last rank, "all")
+    "a flipped byte in a tensor": (lambda d: _corrupt_one_byte(d), "one"),
+    "a crafted RNG state on one rank": (
+        lambda d: _edit_index(d, lambda index: _last_rank_part(index)["rng"].update(
+            python={"__tuple__": [3, {"__tuple__": [1, 2, 3]}, None]})), "last"),
+    "a crafted loader position on one rank": (
+        lambda d: _edit_index(d, lambda index: _last_rank_part(index)["dataloader_0"].update(
+            iteration=-5)), "last"),
+    "a scheduler state its load_state_dict refuses": (
+        lambda d: _edit_index(d, lambda index: index["components"].update(
+            scheduler_0=["not", "a", "dict"])), "all"),
+    "an accumulation step that is not a count": (
+        lambda d: _edit_index(d, lambda index: index["components"]["accelerator"].update(
+            step="7")), "all"),
+}
+
+
+class _RefusingOnce(Progress):
+    """A registered object whose load_state_dict changes itself, then refuses (once)."""
+
+    def __init__(self, refuse):
+        super().__init__()
+        self.refuse = refuse
+
+    def load_state_dict(self, state):
+        self.epoch = -1
+        if self.refuse:
+            self.refuse = False
+            raise ValueError("this rank refuses the state")
+        super().load_state_dict(state)
+
+
+@pytest.mark.parametrize("damage", [*_DAMAGE, "a registered object refusing on one rank"])
+def test_a_failed_load_changes_nothing_on_any_rank(mpi_tmp_path, comm, damage):
+    """Whatever fails, on whichever rank: models, optimizers, schedulers, registered objects,
+    loader positions, step and RNG states are on every rank as they were before the call (the
+    model held a corrupted tensor's bytes; a crafted RNG state failed after the model, optimizer,
+    scheduler and registered objects had taken the checkpoint's)."""
+    last = comm.size - 1
+    acc, model, opt, sched, loader, progress = _setup()
+    refusing = _RefusingOnce(refuse=acc.process_index == last
+                             and damage == "a registered object refusing on one rank")
+    acc.register_for_checkpointing(refusing)
+    _train(acc, model, opt, sched, loader, progress, epochs=2, stop_at=6,
+           save_to=mpi_tmp_path / "ckpt")  # mid-epoch
+    for step, (x, y) in enumerate(loader):  # training goes on: everything moves on from it
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step(), sched.step(), opt.zero_grad()
+        progress.step += 1
+        refusing.step += 2
+        if step == 1:
+            break
+    acc.step = 1
+    random.random(), np.random.rand(), torch.rand(1)
+    acc.wait_for_everyone()
+    damaged, failing = _DAMAGE.get(damage, (None, "last"))
+    if damaged is not None and acc.is_main_process:
+        damaged(mpi_tmp_path / "ckpt")
+    acc.wait_for_everyone()
+    before = _everything(acc, model, opt, sched, loader, [progress, refusing])
+    with pytest.raises(CollectiveError) as info:
+        acc.load_state(mpi_tmp_path / "ckpt")
+    _assert_unchanged(before, _everything(acc, model, opt, sched, loader, [progress, refusing]))
+    expected = {"one": None, "last": [last], "all": list(range(comm.size))}[failing]
+    if expected is None:
+        assert len(info.value.failed_ranks) == 1, info.value
+    else:
+        assert info.value.failed_ranks == expected, info.value
 
 
 def test_load_state_passes_strict_on_to_the_models(mpi_tmp_path, comm):
@@ -842,6 +980,50 @@ def test_automatic_naming_rotation_and_latest(mpi_tmp_path, comm):
     acc.wait_for_everyone()
     acc.load_state()
     assert acc.save_iteration == 4
+
+
+def test_rotation_makes_room_before_a_save_removes_debris_and_says_so(
+    mpi_tmp_path, comm, monkeypatch, caplog
+):
+    """As in Accelerate, the oldest checkpoints go before the new one is written (a crash then
+    leaves total_limit - 1 of them, never total_limit + 1), with a message on the main process;
+    a checkpoint whose deletion was cut short (no index left) is debris the next save removes."""
+    import logging
+
+    import mpaccel.checkpoint as checkpoint_module
+
+    caplog.set_level(logging.INFO, logger="mpaccel.checkpoint")
+    config = ProjectConfiguration(project_dir=str(mpi_tmp_path), automatic_checkpoint_naming=True,
+                                  total_limit=2)
+    acc, model, *_ = _setup(project_config=config)
+    root = mpi_tmp_path / "checkpoints"
+    acc.save_state()
+    acc.save_state()
+    acc.wait_for_everyone()
+    if acc.is_main_process:  # killed after its commit was undone: the files without an index
+        (root / "checkpoint_0" / "state.index.json").unlink()
+    acc.wait_for_everyone()
+    assert checkpoint_module.checkpoints_in(str(mpi_tmp_path))[0][2] is False
+    complete_at_write = []
+    real = checkpoint_module.write_checkpoint
+
+    def writing(*args, **kwargs):
+        found = checkpoint_module.checkpoints_in(str(mpi_tmp_path))
+        complete_at_write.append([n for n, _, ok in found if ok])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "write_checkpoint", writing)
+    caplog.clear()
+    acc.save_state()
+    acc.save_state()
+    acc.wait_for_everyone()
+    assert complete_at_write == [[1], [2]]
+    assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]
+    said = [r.getMessage() for r in caplog.records if r.name == "mpaccel.checkpoint"]
+    expected = ["[RANK 0] Deleting what interrupted saves or deletions left (no index): "
+                "checkpoint_0",
+                "[RANK 0] Deleting 1 checkpoint(s) to keep total_limit=2: checkpoint_1"]
+    assert said == (expected if acc.is_main_process else []), said
 
 
 def test_a_new_run_never_saves_over_or_below_existing_checkpoints(mpi_tmp_path, comm):

@@ -2,15 +2,79 @@
 
 from __future__ import annotations
 
+import json
+import random
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from mpaccel import Accelerator, AcceleratorState
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
+DEADLINE = 30  # seconds any command may take
+
+
+# `mpaccel ckpt ...` run by a driver process that imports mpaccel once and forks a child per
+# command (as `python -m mpaccel ckpt ...` would run it: mpaccel.cli.main, its exit code, its
+# stdout and stderr, an uncaught exception printed as Python does), killed after DEADLINE.
+_DRIVER = r"""
+import json, os, sys, tempfile, time, traceback
+from mpaccel.cli import main
+for line in sys.stdin:
+    argv, deadline = json.loads(line)
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    end = time.monotonic() + deadline
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done or time.monotonic() > end:
+            break
+        time.sleep(0.01)
+    hung = not done
+    if hung:
+        os.kill(pid, 9)
+        _, status, usage = os.wait4(pid, 0)
+    out.seek(0)
+    err.seek(0)
+    reply = [os.waitstatus_to_exitcode(status), out.read(), err.read(), usage.ru_maxrss << 10, hung]
+    print(json.dumps(reply), flush=True)
+"""
+
+
+class Commands:
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", _DRIVER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def run(self, *args: str) -> tuple[int, str, str, int]:
+        """(exit code, stdout, stderr, peak memory in bytes) of `mpaccel ckpt ARGS`."""
+        self.proc.stdin.write(json.dumps([["ckpt", *args], DEADLINE]) + "\n")
+        self.proc.stdin.flush()
+        code, out, err, peak, hung = json.loads(self.proc.stdout.readline())
+        assert not hung, f"mpaccel ckpt {' '.join(args)} hangs"
+        return code, out, err, peak
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def _cli(*args):
@@ -147,4 +211,75 @@ def test_ls_and_export_of_tied_weights(tmp_path):
     fresh = _Tied(tie=False)
     fresh.load_state_dict(loaded)
     assert torch.equal(fresh.head.weight, model.head.weight)
+    AcceleratorState._reset_state(True)
+
+
+@pytest.fixture
+def commands():
+    driver = Commands()
+    yield driver
+    driver.close()
+
+
+def test_verify_of_shards_with_damaged_hdf5_metadata_says_one_line(tmp_path, commands):
+    """120 shards, each with one byte of HDF5's own metadata (superblock, object headers, heaps:
+    anything but the tensors' data) changed: `ckpt verify` exits 0 with every tensor verified
+    (a byte HDF5 does not use) or 1 with a first line naming the file, never a traceback (a
+    damaged object header raised KeyError out of h5py)."""
+    AcceleratorState._reset_state(True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    Accelerator().save_model(model, tmp_path / "good")
+    AcceleratorState._reset_state(True)
+    index = json.loads((tmp_path / "good" / "model.index.json").read_text())
+    shard = index["shards"][0]
+    size = (tmp_path / "good" / shard).stat().st_size
+    data = {i for e in index["tensors"].values()
+            for i in range(e["offset"], e["offset"] + e["nbytes"])}
+    metadata = [i for i in range(size) if i not in data]
+    rng = random.Random(18)
+    outcomes = {0: 0, 1: 0}
+    for case, position in enumerate(sorted(rng.sample(metadata, 120))):
+        directory = tmp_path / f"fuzz{case}"
+        shutil.copytree(tmp_path / "good", directory)
+        with open(directory / shard, "r+b") as f:
+            f.seek(position)
+            byte = f.read(1)[0]
+            f.seek(position)
+            f.write(bytes([byte ^ rng.randrange(1, 256)]))
+        code, out, err, _ = commands.run("verify", str(directory))
+        where = f"byte {position} of {size}: exit {code}\n{out}{err}"
+        assert "Traceback" not in err and code in (0, 1), where
+        outcomes[code] += 1
+        if code == 0:
+            assert out.strip() == f"{directory}: 4 of 4 tensors verified", where
+        else:
+            assert str(directory / shard) in err.splitlines()[0], where
+        shutil.rmtree(directory)
+    assert outcomes[1] >= 20, outcomes  # (31 here: HDF5 leaves much of its metadata unused)
+
+
+def test_export_refuses_numpy_values_in_the_model_state(tmp_path):
+    """A numpy array or scalar in the model's state (a get_extra_state() returning one) is named
+    as a key safetensors cannot hold (it ended in AttributeError: no 'untyped_storage')."""
+    pytest.importorskip("safetensors")
+
+    class WithArray(torch.nn.Linear):
+        def __init__(self, extra):
+            super().__init__(2, 2)
+            self.extra = extra
+
+        def get_extra_state(self):
+            return self.extra
+
+        def set_extra_state(self, state):
+            pass
+
+    for extra in (np.arange(3.0), np.float32(1.5)):
+        AcceleratorState._reset_state(True)
+        shutil.rmtree(tmp_path / "model", ignore_errors=True)
+        Accelerator().save_model(WithArray(extra), tmp_path / "model")
+        run = _cli("export", str(tmp_path / "model"), "--output", str(tmp_path / "w.safetensors"))
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        assert "1 key(s) hold other values ('_extra_state')" in run.stderr, run.stderr
     AcceleratorState._reset_state(True)

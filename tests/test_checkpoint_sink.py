@@ -142,7 +142,7 @@ def _reader_for(path, entries, size=None):
     sizes = {} if size is None else {path.name: size}
     reader.index = {"tensors": entries, "per_rank": [], "components": {}, "file_sizes": sizes}
     reader._ordinal = {key: i for i, key in enumerate(sorted(entries))}
-    reader._files, reader._raw_fds = {}, {}
+    reader._reset_files()
     return reader
 
 
@@ -251,6 +251,111 @@ def test_a_destination_that_cannot_take_the_bytes_gets_a_new_array(tmp_path, vou
             assert got is not dest
             np.testing.assert_array_equal(got, BIG["model/weight"])
     assert not strided.any() and not frozen.any()
+
+
+def test_deferred_reads_check_the_file_and_leave_the_destinations_alone(
+    monkeypatch, tmp_path, vouched
+):
+    """read_arrays(defer=...): destinations taken in place are not written, their bytes are
+    verified in the file (a corrupted one is an error, the destination untouched); fill()
+    reads them in afterwards, checked again (a file changed in between is an error)."""
+    monkeypatch.setattr(rawio, "PIECE", 64 << 10)
+    monkeypatch.setattr(rawio, "STREAM_PIECE", 48 << 10)  # several pieces, not aligned to PIECE
+    path = tmp_path / "deferred.h5"
+    entries, size = _write_checkpoint_file(path)
+    size = size if vouched else None
+    keys = sorted(BIG)
+
+    def destinations():
+        return {key: np.full_like(BIG[key], 7) for key in keys}
+
+    with _reader_for(path, entries, size) as reader:
+        held, dest = reader_module.Deferred(), destinations()
+        got = reader.read_arrays([(k, entries[k], dest[k], True) for k in keys], defer=held)
+        for key in keys:
+            assert got[key] is dest[key] and (dest[key] == 7).all(), key
+        reader.fill(held)
+        for key in keys:
+            np.testing.assert_array_equal(dest[key], BIG[key])
+    with h5py.File(path, "r") as f:
+        offset = f["model/big"].id.get_offset()
+    with open(path, "r+b") as raw:  # one byte in the middle of model/big
+        raw.seek(offset + (500 << 10))
+        byte = raw.read(1)
+        raw.seek(offset + (500 << 10))
+        raw.write(bytes([byte[0] ^ 1]))
+    with _reader_for(path, entries, size) as reader:
+        held, dest = reader_module.Deferred(), destinations()
+        with pytest.raises(storage.CheckpointError, match="checksum mismatch for 'model/big'"):
+            reader.read_arrays([(k, entries[k], dest[k], True) for k in keys], defer=held)
+        assert all((dest[key] == 7).all() for key in keys)
+    with open(path, "r+b") as raw:  # repaired; checked; then changed again before the fill
+        raw.seek(offset + (500 << 10))
+        raw.write(byte)
+    with _reader_for(path, entries, size) as reader:
+        held, dest = reader_module.Deferred(), destinations()
+        reader.read_arrays([(k, entries[k], dest[k], True) for k in keys], defer=held)
+        with open(path, "r+b") as raw:
+            raw.seek(offset + (500 << 10))
+            raw.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(storage.CheckpointError, match="checksum mismatch for 'model/big'"):
+            reader.fill(held)
+
+
+# A write lease (fcntl F_SETLEASE) held by another process: opening the file blocks in the
+# kernel until the lease is given up, or /proc/sys/fs/lease-break-time (45 s) runs out.
+LEASE_HOLDER = """
+import fcntl, os, signal, sys
+signal.signal(signal.SIGIO, signal.SIG_IGN)
+fd = os.open(sys.argv[1], os.O_WRONLY)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+print("leased", flush=True)
+sys.stdin.read()
+"""
+
+GIVEN_UP = """
+import sys
+from mpaccel.checkpoint import rawio, reader
+entries = {"model/big": {"file": sys.argv[2], "dtype": "float32", "shape": [300000],
+                         "nbytes": 1200000, "xxh3": "0", "offset": int(sys.argv[3])}}
+r = reader.CheckpointReader.__new__(reader.CheckpointReader)
+r.directory, r.stem, r.node_share = sys.argv[1], "t", (0, 1)
+r.index = {"tensors": entries, "per_rank": [], "components": {},
+           "file_sizes": {sys.argv[2]: int(sys.argv[4])}}
+r._reset_files()
+try:
+    rawio.within(1.0, "reading", lambda: r.read_arrays([("model/big", entries["model/big"],
+                                                        None, True)]))
+except rawio.StalledIOError as exc:
+    print(exc.message, flush=True)
+"""
+
+
+def test_io_that_stops_answering_is_given_up_named_and_left_behind(tmp_path):
+    """A read whose open() blocks in the kernel (the file is leased by another process):
+    within() gives up after its limit, naming the file, and the process can still exit (the
+    thread left blocked is a daemon)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "leased.h5"
+    entries, size = _write_checkpoint_file(path)
+    holder = subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "leased"
+        run = subprocess.run(
+            [sys.executable, "-c", GIVEN_UP, str(tmp_path), path.name,
+             str(entries["model/big"]["offset"]), str(size)],
+            capture_output=True, text=True, timeout=30,
+        )
+        assert holder.poll() is None, "the lease was given up before the reader ended"
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("reading: no checkpoint I/O of this process ended for 1 s "
+                                 f"(under way: opening {str(path)!r})"), run.stdout
 
 
 def test_uninitialized_lazy_parameters_are_not_read_into():
@@ -396,13 +501,13 @@ def test_a_cold_read_from_a_local_disk_takes_one_thread_a_cached_one_several(
     path, data = cold_file
     monkeypatch.setattr(rawio, "io_threads", lambda: 3)
     used = []
-    real_pool = rawio.ThreadPoolExecutor
+    real_run_all = rawio._run_all
 
-    def pool(threads, **kwargs):
+    def run_all(threads, *args):
         used.append(threads)
-        return real_pool(threads, **kwargs)
+        return real_run_all(threads, *args)
 
-    monkeypatch.setattr(rawio, "ThreadPoolExecutor", pool)
+    monkeypatch.setattr(rawio, "_run_all", run_all)
     fd = os.open(path, os.O_RDONLY)
     try:
         out = np.empty(len(data), dtype=np.uint8)
@@ -415,7 +520,7 @@ def test_a_cold_read_from_a_local_disk_takes_one_thread_a_cached_one_several(
         monkeypatch.delenv("MPACCEL_IO_THREADS")
         rawio.read_arrays(tasks, lambda task, exc: exc)
         assert out.tobytes() == data
-        # the readers' pool (the verifier's is made first)
+        # the readers' threads
         assert used[-1] == (1 if rawio._on_local_disk(fd) else 3)
         assert rawio.read_threads(tasks) == 3  # now it is in the page cache
     finally:

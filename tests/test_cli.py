@@ -4,8 +4,10 @@ under mpiexec -n 2, and after a launch mistake."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -231,3 +233,83 @@ def test_unloadable_mpi_library_is_reported():
                                               "OMPI_COMM_WORLD_SIZE": "4"})
     assert run.returncode == 1, run.stdout + run.stderr
     assert "launch problem" in run.stdout and "cannot load an MPI library" in run.stdout
+
+
+# -- mpaccel --version, mpaccel slurm template -----------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATES = ["array", "gpu", "multi_node", "preemptible", "single_node"]
+
+
+def test_version(capsys):
+    from mpaccel import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"mpaccel {__version__}\n"
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_slurm_template_matches_golden_file(name, capsys):
+    # On an intended change, edit mpaccel/templates/slurm/, regenerate the golden file and
+    # slurm/ (docs/slurm.md says how) and review the diff.
+    assert main(["slurm", "template", name]) == 0
+    text = capsys.readouterr().out
+    assert text == (GOLDEN / "slurm" / f"{name}.sbatch").read_text()
+    assert "python -m mpaccel.examples.train" in text and "# module load " in text
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_the_checkouts_slurm_scripts_are_the_templates_running_examples_train(name, capsys):
+    assert main(["slurm", "template", name, "--script", "examples/train.py"]) == 0
+    assert capsys.readouterr().out == (ROOT / "slurm" / f"{name}.sbatch").read_text()
+
+
+def test_slurm_template_list_and_mistakes(capsys):
+    assert main(["slurm", "template", "--list"]) == 0
+    assert capsys.readouterr().out == (GOLDEN / "slurm" / "template_list.txt").read_text()
+    assert main(["slurm", "template", "single"]) == 2
+    err = capsys.readouterr().err
+    assert "no template named 'single'" in err and "single_node" in err and "HINT" in err
+    assert main(["slurm", "template"]) == 2 and "--list" in capsys.readouterr().err
+    assert main(["slurm"]) == 2 and "template" in capsys.readouterr().err
+
+
+def test_slurm_template_runs_the_script_or_module_named(capsys):
+    main(["slurm", "template", "single_node", "--script", "my dir/train.py"])
+    assert "--kill-on-bad-exit=1 python 'my dir/train.py' \"$@\"\n" in capsys.readouterr().out
+    main(["slurm", "template", "array", "--module", "project.train"])
+    assert "python -m project.train \\\n    --lr" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["slurm", "template", "gpu", "--script", "a.py", "--module", "b"])
+
+
+@pytest.mark.mpi(size=1)
+def test_rendered_templates_are_valid_bash(tmp_path, capsys):
+    for name in TEMPLATES:
+        main(["slurm", "template", name])
+        path = tmp_path / f"{name}.sbatch"
+        path.write_text(capsys.readouterr().out)
+        check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.mpi(size=1)
+@pytest.mark.launches
+def test_the_wheel_ships_the_templates_and_the_example(tmp_path):
+    # `pip install mpaccel` must bring what `mpaccel slurm template` prints and what it runs.
+    # Built from a copy: setuptools leaves build/ and *.egg-info in the tree it builds.
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "*.egg-info", "__pycache__", ".*_cache"))
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(source)],
+        capture_output=True, text=True, timeout=300, env=_env.child_environment(),
+    )
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("mpaccel-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert {f"mpaccel/templates/slurm/{name}.sbatch" for name in TEMPLATES} <= names
+    assert {"mpaccel/examples/__init__.py", "mpaccel/examples/train.py"} <= names

@@ -315,6 +315,26 @@ def test_after_a_reset_the_error_explains_it(comm):
         state.device  # noqa: B018
 
 
+def test_after_a_reset_process_control_still_answers(comm):
+    """As Accelerate's: after AcceleratorState._reset_state() the state's and the accelerator's
+    process control asks the process's PartialState (Accelerate's test_metrics reads
+    accelerator.is_local_main_process then, test_script calls state.destroy_process_group())."""
+    reset_state()
+    accelerator = Accelerator()
+    state = accelerator.state
+    AcceleratorState._reset_state()
+    assert accelerator.is_main_process is (comm.rank == 0) is state.is_main_process
+    assert accelerator.is_local_main_process is state.is_local_main_process
+    assert state.is_last_process is (comm.rank == comm.size - 1)
+    assert state.use_distributed is (comm.size > 1)
+    state.wait_for_everyone()
+    accelerator.wait_for_everyone()
+    with state.main_process_first(), state.split_between_processes([0, 1, 2, 3]) as share:
+        assert share
+    with pytest.raises(AttributeError, match=r"This happens if `AcceleratorState\._reset_state"):
+        accelerator.device  # noqa: B018  (the configuration is gone, as in Accelerate)
+
+
 def test_pickling_the_accelerator(comm):
     """Accelerate's test_pickle_accelerator, and the copy is usable in this process."""
     reset_state()

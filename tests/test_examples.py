@@ -30,6 +30,23 @@ def test_train_example(n):
     assert float(epochs[-1][0]) < float(epochs[0][0])  # it learns
     assert f"{n} process(es)" in out and "done in" in out
     assert all(other.strip() == "" for other in run.stdout[1:]), run.describe()
+    # a log file, not a terminal: the progress bar as plain lines, and the logger's lines
+    # (logging.basicConfig in the example; they went nowhere without a handler)
+    err = run.stderr[0]
+    assert "\r" not in err and re.search(r"^epoch 2: 100% \d+/\d+ \[", err, re.M), err
+    assert re.search(r"INFO mpaccel.examples.train: \[RANK 0\] epoch 2 took", err), err
+    assert all("epoch" not in other for other in run.stderr[1:]), run.describe()
+
+
+def test_train_example_shows_a_live_bar_at_the_terminal_of_mpiexec(tmp_path):
+    # mpiexec gives the ranks pipes; the bar is drawn for the terminal mpiexec writes to
+    from test_progress import _in_terminal, _launch
+
+    argv, env = _launch(2, EXAMPLES / "train.py")
+    text = _in_terminal([*argv, "--epochs", "1", "--train-samples", "2000"], env, columns=90)
+    frames = [f for f in text.split("\r") if f.startswith("epoch 0:")]
+    assert len(frames) >= 3 and any("█" in f and len(f) == 90 for f in frames), repr(text)
+    assert "[RANK 0] epoch 0 took" in text and "[RANK 1]" not in text
 
 
 def test_train_example_as_plain_python(tmp_path):

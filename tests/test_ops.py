@@ -128,3 +128,30 @@ def test_a_source_out_of_range_on_one_rank_does_not_leave_the_others_waiting(com
         with pytest.raises(CollectiveMismatchError, match=f"from_process={comm.size}\\) on rank"):
             call()
     acc.wait_for_everyone()
+
+
+def test_copy_tensor_to_devices_sends_the_one_rank_s_tensor_everywhere(comm):
+    # Accelerate's test_ops imports it; only the last rank knows the shape and dtype.
+    from mpaccel.utils import copy_tensor_to_devices
+
+    _fresh()
+    last = comm.size - 1
+    mine = torch.arange(6, dtype=torch.int32).reshape(2, 3) if comm.rank == last else None
+    copied = copy_tensor_to_devices(mine)
+    assert copied.dtype == torch.int32 and copied.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert copied is not mine  # a new tensor, as Accelerate's (a sum into a copy)
+
+
+def test_copy_tensor_to_devices_needs_exactly_one_holder(comm):
+    from mpaccel.errors import DistributedOperationException
+    from mpaccel.utils import copy_tensor_to_devices
+
+    _fresh()
+    with pytest.raises(DistributedOperationException) as info:
+        copy_tensor_to_devices(None)
+    assert "needs the tensor on exactly one rank; no rank passed one" in str(info.value)
+    if comm.size > 1:
+        with pytest.raises(DistributedOperationException) as info:
+            copy_tensor_to_devices(torch.ones(2))
+        assert f"ranks 0-{comm.size - 1} passed one" in str(info.value)
+        assert comm.allgather(str(info.value)) == [str(info.value)] * comm.size

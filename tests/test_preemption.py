@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mpaccel import Accelerator
-from mpaccel import slurm as slurm_support
+from mpaccel import preemption as slurm_support
 from mpaccel.testing import reset_state
 from mpaccel.utils import gather_object
 

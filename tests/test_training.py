@@ -5,9 +5,7 @@ the batch size: data-parallel training must end with the same parameters."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import importlib.util
 import sys
 import warnings
 
@@ -18,7 +16,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from mpaccel import Accelerator, AcceleratorState, distributed, ops
 from mpaccel.errors import CollectiveMismatchError, ConfigurationError
 from mpaccel.testing import reset_state
-from mpaccel.tracking import GeneralTracker
 from mpaccel.utils import (
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
@@ -650,114 +647,6 @@ def test_clip_grad_value_and_save(comm, mpi_tmp_path):
     assert torch.load(path)["w"].sum() == 3
     a, b = acc.free_memory(model, path)
     assert a is None and b is None and acc._models == []
-
-
-def test_get_logger(comm, caplog):
-    import logging
-
-    from mpaccel.logging import get_logger
-
-    _fresh()
-    logger = get_logger("mpaccel.test", log_level="INFO")
-    with caplog.at_level(logging.INFO, logger="mpaccel.test"):
-        logger.info("main only")
-        logger.info("everyone", main_process_only=False)
-    messages = [rec.getMessage() for rec in caplog.records]
-    assert messages == (["main only", "everyone"] if comm.rank == 0 else ["everyone"])
-
-
-def test_logger_warning_once_and_the_level_from_the_environment(comm, caplog, monkeypatch):
-    import logging
-
-    from mpaccel.logging import get_logger
-
-    _fresh()
-    root_level = logging.getLogger().level
-    try:
-        monkeypatch.setenv("ACCELERATE_LOG_LEVEL", "debug")
-        logger = get_logger("mpaccel.test.env")
-        assert logger.logger.level == logging.DEBUG  # as Accelerate's get_logger
-        monkeypatch.setenv("MPACCEL_LOG_LEVEL", "error")  # mpaccel's own name comes first
-        assert get_logger("mpaccel.test.env2").logger.level == logging.ERROR
-        with caplog.at_level(logging.WARNING, logger="mpaccel.test.env"):
-            for _ in range(3):
-                logger.warning_once("said once", main_process_only=False)
-            logger.warning_once("another", main_process_only=False)
-        assert [r.getMessage() for r in caplog.records] == ["said once", "another"]
-    finally:
-        logging.getLogger().setLevel(root_level)
-
-
-class _Recorder(GeneralTracker):
-    name = "recorder"
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    @property
-    def tracker(self):
-        return self.calls
-
-    def store_init_configuration(self, values):
-        self.calls.append(("config", dict(values)))
-
-    def log(self, values, step=None, **kwargs):
-        self.calls.append(("log", dict(values), step, kwargs))
-
-    def finish(self):
-        self.calls.append(("finish",))
-
-
-def test_trackers_log_on_the_main_process_and_end_training(comm):
-    recorder = _Recorder()
-    acc = _fresh(log_with=[recorder])
-    acc.init_trackers("run", config={"lr": 0.1})
-    acc.log({"loss": 1.5}, step=3, log_kwargs={"recorder": {"flush": True}})
-    tracker = acc.get_tracker("recorder")
-    if acc.is_main_process:
-        assert tracker is recorder and acc.get_tracker("recorder", unwrap=True) is recorder.calls
-        with pytest.raises(ConfigurationError, match="no tracker named 'wandb'"):
-            acc.get_tracker("wandb")
-    else:  # a blank one: the same code runs everywhere
-        assert tracker is not recorder
-        tracker.log({"loss": 0.0}, step=0)
-    acc.end_training()
-    assert not distributed.is_initialized()
-    expected = [("config", {"lr": 0.1}), ("log", {"loss": 1.5}, 3, {"flush": True}), ("finish",)]
-    assert recorder.calls == (expected if acc.is_main_process else [])
-
-
-def test_a_tracker_that_cannot_be_built_is_an_error_at_once(comm, tmp_path):
-    with pytest.raises(ConfigurationError, match="builds only"):
-        _fresh(log_with="wandb")
-    if importlib.util.find_spec("tensorboard") is None:
-        with pytest.raises(ConfigurationError, match="needs the 'tensorboard' package"):
-            _fresh(log_with="tensorboard")
-        return
-    # with tensorboard installed (the dev extra): events written under logging_dir/run
-    acc = _fresh(log_with="all", project_dir=str(tmp_path))
-    acc.init_trackers("run", config={"lr": 0.1, "optimizer": "adam"})
-    acc.log({"loss": 0.5, "note": "ok", "parts": {"a": 1.0, "b": 2.0}}, step=1)
-    # one-element tensors and numpy scalars are numbers; what cannot be logged is skipped with
-    # a warning (it raised, on the main process only, which ended the whole job)
-    import numpy as np
-
-    with pytest.warns(RuntimeWarning, match="cannot log 'vector'") if acc.is_main_process \
-            else contextlib.nullcontext():
-        acc.log(
-            {"loss": torch.tensor(0.25), "lr": np.float32(0.5), "vector": torch.ones(3)}, step=2
-        )
-    writer = acc.get_tracker("tensorboard", unwrap=True)
-    acc.end_training()
-    if acc.is_main_process:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        events = EventAccumulator(writer.log_dir)
-        events.Reload()
-        assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5), (2, 0.25)]
-        assert [(e.step, e.value) for e in events.Scalars("lr")] == [(2, 0.5)]
-        assert writer.file_writer is None  # end_training closed it
 
 
 @pytest.mark.parametrize("set_up_again", [True, False])

@@ -8,20 +8,31 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import shutil
 import sys
 import threading
 import warnings
 from typing import Any
 
+from ..errors import MpaccelRuntimeWarning
+from ..logging import get_logger
+from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError, flatten, parse_size, unflatten
 from .reader import CheckpointReader
-from .storage import write_checkpoint
-from .training_state import apply, collect, model_state, read_back
+from .storage import delete_checkpoint, write_checkpoint
+from .training_state import (
+    Rollback,
+    apply_states,
+    apply_tensors,
+    collect,
+    finish,
+    model_state,
+    read_back,
+)
 
 MODEL_STEM = "model"
 STATE_STEM = "state"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)$")
+logger = get_logger(__name__)
 
 __all__ = [
     "AsyncSaver",
@@ -82,19 +93,48 @@ def latest_checkpoint(project_dir: str) -> tuple[int, str] | None:
     return complete[-1] if complete else None
 
 
-def rotate(project_dir: str, total_limit: int | None) -> None:
-    """Keep the `total_limit` newest complete checkpoints; drop debris of interrupted saves
-    older than the newest complete one. Never removes the newest complete checkpoint."""
+def rotate(project_dir: str, total_limit: int | None, room: bool = False) -> list[str]:
+    """Keep the `total_limit` newest complete checkpoints, or one fewer with `room` (before a
+    save, to make room for it, as Accelerate does), but never fewer than one: the newest
+    complete checkpoint is never removed. Also drops debris (interrupted saves, interrupted
+    deletions) older than the newest complete checkpoint. Returns the paths deleted."""
     found = checkpoints_in(project_dir)
     complete = [entry for entry in found if entry[2]]
     if not complete:
-        return
+        return []
     newest = complete[-1][0]
-    doomed = [path for n, path, ok in found if not ok and n < newest]
-    if total_limit is not None and len(complete) > total_limit:
-        doomed += [path for _, path, _ in complete[: len(complete) - total_limit]]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+    debris = [path for n, path, ok in found if not ok and n < newest]
+    old: list[str] = []
+    if total_limit is not None:
+        keep = max(1, total_limit - 1 if room else total_limit)
+        old = [path for _, path, _ in complete[: max(0, len(complete) - keep)]]
+    if debris:
+        logger.info(
+            "Deleting what interrupted saves or deletions left (no index): "
+            + ", ".join(os.path.basename(path) for path in debris)
+        )
+    if old:
+        logger.info(
+            f"Deleting {len(old)} checkpoint(s) to keep total_limit={total_limit}: "
+            + ", ".join(os.path.basename(path) for path in old)
+        )
+    for path in [*debris, *old]:  # oldest first
+        delete_checkpoint(path, STATE_STEM)
+    return [*debris, *old]
+
+
+def _rotate(comm: Any, rotation: tuple[str, int | None], room: bool, what: str) -> None:
+    """Collective: rotate() on rank 0 (the checkpoints are on a file system every rank sees),
+    under the collective timeout; every rank raises if it fails."""
+    error = None
+    if comm.rank == 0:
+        try:
+            rawio.within(
+                rawio.stall_limit(comm.default_timeout), what, lambda: rotate(*rotation, room)
+            )
+        except Exception as exc:
+            error = exc
+    comm.agree(error, what + " (removing old checkpoints)", kind=CheckpointCollectiveError)
 
 
 def _resolve_output(accelerator: Any, output_dir: str | None) -> str:
@@ -232,7 +272,7 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
     if async_save and not _threads_ok():
         warnings.warn(
             "async_save needs MPI_THREAD_MULTIPLE; saving synchronously",
-            RuntimeWarning,
+            MpaccelRuntimeWarning,
             stacklevel=3,
         )
         async_save = False
@@ -259,9 +299,15 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
         rotation = (config.project_dir, config.total_limit)
 
     def write(comm: Any) -> None:
+        # Rotation deletes the oldest checkpoints before the new one is written (room for it,
+        # as in Accelerate: a crash meanwhile leaves total_limit - 1, never more than the
+        # limit), keeping the newest; then, once it is committed, whatever is over the limit
+        # (total_limit=1: the previous one only goes once the new one is committed).
+        if rotation is not None:
+            _rotate(comm, rotation, True, f"saving checkpoint {directory!r}")
         write_checkpoint(comm, directory, STATE_STEM, shared, per_rank, metadata=metadata)
-        if rotation is not None and comm.rank == 0:
-            rotate(*rotation)
+        if rotation is not None:
+            _rotate(comm, rotation, False, f"saving checkpoint {directory!r}")
 
     if async_save:
         background = saver.comm_for(accelerator)
@@ -296,10 +342,12 @@ def load_state(
     accelerator._async_saver.wait()
     config = accelerator.project_configuration
     comm = accelerator._partial.comm
-    error: BaseException | None = None
-    directory = ""
-    notes: list[str] = []
-    try:
+    limit = rawio.stall_limit(comm.default_timeout)
+    share = node_share(accelerator)
+    strict = bool(model_options.get("strict", True))
+    named = [os.fspath(input_dir) if input_dir is not None else None]  # for the messages
+
+    def open_checkpoint() -> tuple[int | None, CheckpointReader]:
         if input_dir is None:
             if not (config.automatic_checkpoint_naming and config.project_dir):
                 raise CheckpointError(
@@ -311,31 +359,87 @@ def load_state(
             if latest is None:
                 root = os.path.join(config.project_dir, "checkpoints")
                 raise CheckpointError(f"no complete checkpoint under {root!r}")
-            number, directory = latest
+            number, named[0] = latest
         else:
-            directory, number = os.fspath(input_dir), None
-        reader = CheckpointReader(directory, STATE_STEM, node_share(accelerator))
+            number = None
+        return number, CheckpointReader(named[0] or "", STATE_STEM, share)
+
+    error: BaseException | None = None
+    try:
+        number, reader = rawio.within(limit, "opening a checkpoint", open_checkpoint)
     except Exception as exc:
         error = exc
-    what = f"loading checkpoint {directory or input_dir!r}"
-    comm.agree(error, what, kind=CheckpointCollectiveError)
-    with reader:
-        # Everything is read and verified on every rank before anything else changes: a
-        # corrupted tensor (found by the one rank of a node that verifies it) stops every rank
-        # at the same point, with the same bytes in the tensors read in place.
+    what = f"loading checkpoint {named[0]!r}"
+    try:
+        comm.agree(error, what, kind=CheckpointCollectiveError)
+    except BaseException:
+        if error is None:  # this rank opened it; another one could not
+            reader.close()
+        raise
+    # All or nothing, on every rank. (1) read, verify and check everything, changing nothing
+    # (the tensors that models and optimizers take in place are only verified in the files);
+    # all ranks agree. (2) hand their states to the schedulers, the scaler and the registered
+    # objects (whose own code may refuse them); all ranks agree. (3) read the tensors held back
+    # in (1) into the models and optimizers, then their load_state_dict; all ranks agree. (4)
+    # assign what (1) checked (RNG states, loader positions, step). A failure in (1) changed
+    # nothing; in (2) or (3), on any rank, every rank gives every object back the state it had
+    # (Rollback), all but the tensors read in place in (3): the warning says so.
+    rollback = Rollback()
+    abandoned = False  # a thread left in the kernel may still use the reader's files
+    filled = False
+
+    def io(work: Any) -> Any:
+        nonlocal abandoned
         try:
-            trees = read_back(accelerator, reader, comm.rank, model_options)
+            return rawio.within(limit, what, work)
+        except BaseException as exc:  # given up on, or interrupted: its thread may run on
+            abandoned = isinstance(exc, rawio.StalledIOError) or not isinstance(exc, Exception)
+            raise
+
+    def fill() -> None:
+        nonlocal filled
+        filled = True
+        io(lambda: reader.fill(loaded.held, follow=share[0] > 0))
+
+    try:
+        try:
+            loaded = io(lambda: read_back(accelerator, reader, comm.rank, strict))
         except Exception as exc:
             error = exc
         comm.agree(error, what, kind=CheckpointCollectiveError)
         try:
-            notes = apply(accelerator, trees, reader, model_options)
-            if number is not None:
-                config.iteration = number + 1
+            apply_states(accelerator, loaded, reader, rollback)
         except Exception as exc:
             error = exc
         comm.agree(error, what, kind=CheckpointCollectiveError)
-    if notes and accelerator.is_main_process:
-        for note in notes:
-            warnings.warn(note, RuntimeWarning, stacklevel=3)
-    return directory
+        try:
+            apply_tensors(accelerator, loaded, reader, rollback, fill, model_options)
+        except Exception as exc:
+            error = exc
+        comm.agree(error, what, kind=CheckpointCollectiveError)
+    except BaseException:
+        problems = rollback.run()
+        if filled:
+            problems.append(
+                "the models' and optimizers' tensors read in place (they hold the checkpoint's "
+                "bytes, some of them perhaps: load a checkpoint again)"
+            )
+        if problems:
+            warnings.warn(
+                f"{what} failed, and not everything could be given back the state it had: "
+                + "; ".join(problems),
+                MpaccelRuntimeWarning,
+                stacklevel=3,
+            )
+        raise
+    finally:
+        if not abandoned:
+            reader.close()
+    finish(accelerator, loaded)
+    if number is not None:
+        config.iteration = number + 1
+    for note in loaded.notes if accelerator.is_main_process else []:
+        warnings.warn(note, MpaccelRuntimeWarning, stacklevel=3)
+    for warning in loaded.warnings:
+        warnings.warn(warning, MpaccelRuntimeWarning, stacklevel=3)
+    return named[0] or ""

@@ -7,6 +7,8 @@ import collections
 import os
 import sys
 
+import torch
+
 from .format import CheckpointError, dataset_name, unflatten
 from .reader import CheckpointReader
 
@@ -14,8 +16,10 @@ STEMS = ("state", "model")
 
 
 def _open(directory: str, stem: str | None) -> CheckpointReader:
+    # lexists: an index that is a link or a FIFO is there, and CheckpointReader says what is
+    # wrong with it
     stems = [stem] if stem else [s for s in STEMS
-                                 if os.path.isfile(os.path.join(directory, f"{s}.index.json"))]
+                                 if os.path.lexists(os.path.join(directory, f"{s}.index.json"))]
     if not stems:
         raise CheckpointError(
             f"{directory!r} holds no committed checkpoint (no state.index.json or "
@@ -37,8 +41,9 @@ def _size(nbytes: int) -> str:
 def run_ls(args: argparse.Namespace) -> int:
     with _open(args.directory, args.stem) as reader:
         index = reader.index
-        print(f"{args.directory}: {reader.stem} checkpoint, format {index['format_version']}, "
-              f"written by {index['world_size']} process(es) at {index['created']}")
+        print(f"{args.directory}: {reader.stem} checkpoint, format "
+              f"{index.get('format_version', 0)}, written by {index['world_size']} process(es) "
+              f"at {index.get('created', 'an unrecorded time')}")
         # shared tensors, then each rank's own (RNG states...), named "rank R: key"
         entries = sorted(index["tensors"].items())
         for rank, part in enumerate(index["per_rank"]):
@@ -82,7 +87,7 @@ def run_verify(args: argparse.Namespace) -> int:
         problems = reader.verify()
         count = len(reader.index["tensors"]) + sum(len(p["tensors"])
                                                    for p in reader.index["per_rank"])
-    for problem in problems:
+    for problem in dict.fromkeys(problems):  # a file refused as a whole: said once
         print(problem, file=sys.stderr)
     print(f"{args.directory}: {count - len(problems)} of {count} tensors verified"
           + ("" if not problems else f", {len(problems)} FAILED"))
@@ -100,15 +105,22 @@ def run_export(args: argparse.Namespace) -> int:
     with _open(args.directory, args.stem) as reader:
         component = args.component or ("model" if reader.stem == "model" else "model_0")
         tree = reader.component(component)
-    tensors = {k: v for k, v in tree.items() if hasattr(v, "shape")}
+    if not isinstance(tree, dict):
+        raise CheckpointError(
+            f"{component!r} of {args.directory!r} is not a state_dict (it is a "
+            f"{type(tree).__name__})",
+            "safetensors files hold a model's state_dict; name another --component.",
+        )
+    tensors = {k: v for k, v in tree.items() if isinstance(v, torch.Tensor)}
     if len(tensors) != len(tree):
         others = [str(k) for k in tree if k not in tensors]
         shown = ", ".join(repr(k) for k in others[:5]) + (" ..." if len(others) > 5 else "")
         raise CheckpointError(
             f"{component!r} is not a flat state_dict of tensors: {len(others)} key(s) hold "
             f"other values ({shown})",
-            "safetensors files hold tensors only; a module's get_extra_state() (an "
-            "'_extra_state' key) cannot be exported: load the checkpoint with mpaccel instead.",
+            "safetensors files hold torch tensors only; a module's get_extra_state() (an "
+            "'_extra_state' key) and numpy arrays cannot be exported: load the checkpoint with "
+            "mpaccel instead.",
         )
     out = args.output or os.path.join(args.directory, f"{component}.safetensors")
     # tied weights load as one tensor under several keys; safetensors refuses tensors that share
@@ -148,6 +160,11 @@ def _guarded(run):
             return run(args)
         except CheckpointError as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return 1
+        except BrokenPipeError:
+            raise  # `mpaccel ckpt ls | head`: main() ends quietly
+        except Exception as exc:  # a file this one does not expect: one line, never a traceback
+            text = " ".join(str(exc).split())
+            print(f"error: {args.directory!r}: {type(exc).__name__}: {text}", file=sys.stderr)
+        return 1
 
     return wrapper

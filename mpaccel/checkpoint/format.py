@@ -25,6 +25,10 @@ from .rawio import byte_view
 
 FORMAT_NAME = "mpaccel-checkpoint"
 FORMAT_VERSION = 1
+# Levels of nesting a state tree may have: its document in the index nests at most 3 JSON levels
+# per level (a dict with other than str keys is {"__items__": [[key, value]]}), under 5 of the
+# index's own, which stays within what readers accept (index_check.MAX_DEPTH).
+MAX_NESTING = 64
 
 
 class CheckpointError(MpaccelError):
@@ -224,6 +228,14 @@ def flatten(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
     found: list[tuple[dict[str, Any], tuple, Any]] = []
 
     def walk(value: Any, path: str, steps: tuple) -> Any:
+        if len(steps) > MAX_NESTING:
+            raise CheckpointError(
+                f"cannot store the state at key {_where(prefix, path)}: it is nested more than "
+                f"{MAX_NESTING} levels deep (readers refuse deeper indexes: see "
+                "docs/checkpoint-format.md, 'Loading untrusted checkpoints')",
+                "flatten the state_dict(): join nested keys into one, or store deep structures "
+                "as arrays.",
+            )
         if _is_array(value):
             _check_array(value, prefix, path)
             entry: dict[str, Any] = {

@@ -16,25 +16,33 @@ dataset) and mpaccel moves the bytes itself, with plain pwrite/preadv at the ext
   disk; the others copy from the page cache behind it (preadv_following).
 
 The files stay ordinary HDF5: h5py, h5ls and h5dump read them like any other.
+
+Every thread here is a daemon, and a phase of I/O can be run under within(): a file system that
+stops answering (a hung network mount) then ends the phase with an error after a deadline, and the
+thread stuck in the kernel is left behind without keeping the interpreter from exiting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
 import os
+import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from .. import _env
+from ..errors import MpaccelError
+
+T = TypeVar("T")
 
 PIECE = 64 << 20  # bytes per pwrite/preadv call and per writeback request
 WRITEBACK_MIN = 1 << 20  # smaller pieces are left to the kernel's own writeback (merged)
@@ -194,6 +202,108 @@ def _pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(start, min(PIECE, nbytes - start)) for start in range(0, nbytes, PIECE)]
 
 
+# -- a phase of I/O under a deadline --------------------------------------------------------------
+
+
+class StalledIOError(MpaccelError, TimeoutError):
+    """No checkpoint I/O of this process ended within the limit (see within())."""
+
+
+class Watch:
+    """One phase of checkpoint I/O run by within(): when an operation of it last ended, which
+    ones are under way, and whether its caller gave up on it (`cancelled`: start nothing new)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.cancelled = False
+        self._doing: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def doing(self, what: str) -> Iterator[None]:
+        """Around one operation that may block: an open, a piece read or written, an fsync."""
+        ident = threading.get_ident()
+        with self._lock:
+            self._doing[ident] = what
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._doing.pop(ident, None)
+            self.last = time.monotonic()
+
+    def under_way(self) -> list[str]:
+        with self._lock:
+            return sorted(set(self._doing.values()))
+
+    def check(self) -> None:
+        """Raise in a thread that within() gave up on, before it changes anything more."""
+        if self.cancelled:
+            raise StalledIOError("this phase of I/O was given up (see within())")
+
+
+_local = threading.local()
+
+
+def current_watch() -> Watch:
+    """The Watch of the within() phase this thread runs (outside any: a fresh one)."""
+    watch = getattr(_local, "watch", None)
+    return watch if watch is not None else Watch()
+
+
+def stall_limit(timeout: float) -> float:
+    """within()'s limit for a phase between two collectives of `timeout` seconds: a little less,
+    so that a rank whose file system hangs reports in the next collective before the ranks
+    already waiting there give up on it (they would name it too, but it would hang on)."""
+    return timeout - min(0.1 * timeout, 30.0)
+
+
+def within(limit: float, what: str, work: Callable[[], T]) -> T:
+    """work() on a thread of its own; returns its result or raises its exception. When none of
+    its operations (Watch.doing(): rawio's reads and writes, piece by piece, count) has ended for
+    `limit` seconds, raises StalledIOError naming what was under way, and cancels the phase: its
+    threads, blocked in the kernel on a file system that stopped answering, cannot be
+    interrupted and are left behind (daemons: they do not keep the interpreter from exiting).
+    Interrupted here (Ctrl-C), it cancels the phase too. Not collective: the caller agrees."""
+    watch = Watch()
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        _local.watch = watch
+        try:
+            outcome.append((True, work()))
+        except BaseException as exc:
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="mpaccel-io", daemon=True)
+    thread.start()
+    try:
+        while not outcome:
+            idle = time.monotonic() - watch.last
+            if idle >= limit:
+                break
+            thread.join(min(limit - idle, 1.0))
+        else:
+            ok, value = outcome[0]
+            if ok:
+                return value
+            raise value
+    finally:
+        if not outcome:
+            watch.cancelled = True
+    raise StalledIOError(
+        f"{what}: no checkpoint I/O of this process ended for {limit:g} s (under way: "
+        f"{'; '.join(watch.under_way()) or 'no read or write of its own: an open, a listing'})",
+        "the file system stopped answering (a hung network mount, a file held by another "
+        "process's lease, a frozen file system). The thread waiting on it cannot be interrupted "
+        "and is left behind: end the job. If the storage is merely this slow, raise the "
+        "collective timeout (MPACCEL_TIMEOUT=<seconds> or InitProcessGroupKwargs(timeout=...)).",
+    )
+
+
+# -- threads ----------------------------------------------------------------------------------
+
+
 class _FirstError:
     """The first exception raised by any worker; the others stop at their next piece."""
 
@@ -211,16 +321,38 @@ class _FirstError:
             raise self.error
 
 
+_END = object()
+
+
 def _run_all(
-    pool: ThreadPoolExecutor, work: Callable[[Any], None], items: list, failed: _FirstError
+    threads: int, name: str, work: Callable[[Any], None], items: Iterable, failed: _FirstError
 ) -> None:
-    """work(item) for every item on the pool. Interrupted (Ctrl-C, or any exception here), the
-    queued items are cancelled and the running ones stop at their next piece."""
+    """work(item) for every item, taken in order by `threads` daemon threads (work keeps its
+    errors in `failed`); returns once they are done. Interrupted (Ctrl-C, or any exception
+    here), the items not started are dropped and the running ones stop at their next piece.
+    Daemons: a thread that a hung file system holds in the kernel must not keep the interpreter
+    from exiting once within() gave up on it (a pool's threads are joined at exit)."""
+    pending = iter(items)
+    lock = threading.Lock()
+
+    def run() -> None:
+        while failed.error is None:
+            with lock:
+                item = next(pending, _END)
+            if item is _END:
+                return
+            work(item)
+
+    workers = [
+        threading.Thread(target=run, name=f"{name}-{i}", daemon=True) for i in range(threads)
+    ]
+    for worker in workers:
+        worker.start()
     try:
-        list(pool.map(work, items))
+        for worker in workers:
+            worker.join()
     except BaseException as exc:
         failed.keep(exc)
-        pool.shutdown(wait=True, cancel_futures=True)
         raise
 
 
@@ -236,15 +368,17 @@ def write_arrays(
     Raises OSError naming `path` and the key being written (ENOSPC, EIO...)."""
     threads = threads or io_threads()
     failed = _FirstError()
+    watch = current_watch()
 
     def put(task: tuple[str, int, np.ndarray, int, int]) -> None:
         key, offset, array, start, size = task
-        if failed.error is not None:
+        if failed.error is not None or watch.cancelled:
             return
         try:
-            pwrite_all(fd, byte_view(array)[start : start + size], offset + start)
-            if size >= WRITEBACK_MIN:
-                start_writeback(fd, offset + start, size)
+            with watch.doing(f"writing {path!r}"):
+                pwrite_all(fd, byte_view(array)[start : start + size], offset + start)
+                if size >= WRITEBACK_MIN:
+                    start_writeback(fd, offset + start, size)
         except OSError as exc:
             failed.keep(OSError(exc.errno, f"{exc.strerror} (writing {key!r})", path))
         except Exception as exc:
@@ -255,44 +389,68 @@ def write_arrays(
         for key, offset, array in regions
         for start, size in _pieces(array.nbytes)
     ]
-    with ThreadPoolExecutor(threads, thread_name_prefix="mpaccel-write") as pool:
-        _run_all(pool, put, tasks, failed)
-        failed.raise_if_any()
-
-        def sync() -> None:
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                failed.keep(OSError(exc.errno, exc.strerror, path))
-
-        # checksums while the tail of the data goes to the disk
-        syncing = pool.submit(sync)
-        digests = dict(
-            zip([k for k, _, _ in regions], pool.map(digest, [a for _, _, a in regions]))
-        )
-        syncing.result()
+    _run_all(threads, "mpaccel-write", put, tasks, failed)
     failed.raise_if_any()
-    return digests
+    watch.check()
+
+    def sync() -> None:
+        try:
+            with watch.doing(f"syncing {path!r}"):
+                os.fsync(fd)
+        except OSError as exc:
+            failed.keep(OSError(exc.errno, exc.strerror, path))
+
+    # checksums while the tail of the data goes to the disk
+    syncing = threading.Thread(target=sync, name="mpaccel-fsync", daemon=True)
+    syncing.start()
+    digests: dict[str, str] = {}
+
+    def hash_one(region: tuple[str, int, np.ndarray]) -> None:
+        try:
+            digests[region[0]] = digest(region[2])
+        except Exception as exc:
+            failed.keep(exc)
+
+    _run_all(max(1, threads - 1), "mpaccel-digest", hash_one, regions, failed)
+    syncing.join()
+    failed.raise_if_any()
+    return {key: digests[key] for key, _, _ in regions}
 
 
 class ReadTask:
-    """One tensor to read: `out` (C-contiguous, writable, not empty) is filled from (fd, offset);
-    `check(out)` runs once it is complete (checksum, may raise)."""
+    """One tensor to read from (fd, offset). Into `out` (C-contiguous, writable, not empty):
+    `check(out)` runs once it is complete (checksum, may raise). Or, with `out` None, only
+    checked: its `nbytes` bytes stream through a small buffer into `digest()` (a new xxh3
+    hasher), and `check(hexdigest)` runs at the end; nothing else is written."""
 
-    __slots__ = ("_left", "_lock", "check", "fd", "key", "offset", "out", "path")
+    __slots__ = (
+        "_left", "_lock", "check", "digest", "fd", "key", "nbytes", "offset", "out", "path"
+    )
 
     def __init__(
-        self, key: str, path: str, fd: int, offset: int, out: np.ndarray, check: Any
+        self,
+        key: str,
+        path: str,
+        fd: int,
+        offset: int,
+        out: np.ndarray | None,
+        check: Any,
+        nbytes: int = 0,
+        digest: Callable[[], Any] | None = None,
     ) -> None:
         self.key, self.path, self.fd, self.offset, self.out = key, path, fd, offset, out
-        self.check = check
-        self._left = len(_pieces(out.nbytes))
+        self.check, self.digest = check, digest
+        self.nbytes = out.nbytes if out is not None else nbytes
+        self._left = len(_pieces(self.nbytes)) if out is not None else 1
         self._lock = threading.Lock()
 
     def piece_done(self) -> bool:
         with self._lock:
             self._left -= 1
             return self._left == 0
+
+
+STREAM_PIECE = 8 << 20  # bytes per read of a tensor that is only checked (a reused buffer)
 
 
 def read_arrays(
@@ -304,36 +462,81 @@ def read_arrays(
     """Fill every task's (non-empty) array, pieces on `threads` threads in file order, and run
     its check on a thread of its own once it is complete. A failed read stops the others; a failed
     check does not (every array is filled with the file's bytes, whatever the checks find).
-    The first failure, turned into an exception by `error(task, exc)`, is raised at the end.
-    `follow`: another process of this node is reading the same bytes now (preadv_following)."""
+    Tasks that are only checked (`out` None) are streamed whole by one thread each, in their
+    place in file order. The first failure, turned into an exception by `error(task, exc)`, is
+    raised at the end. `follow`: another process of this node is reading the same bytes now
+    (preadv_following; not for tasks only checked)."""
     read = preadv_following if follow else preadv_all
+    watch = current_watch()
+    watch.check()
     failed, rejected = _FirstError(), _FirstError()
     ordered = sorted(tasks, key=lambda t: (t.path, t.offset))
     threads = threads or read_threads(ordered)
+    pieces = [
+        (t, start, size)
+        for t in ordered
+        for start, size in (_pieces(t.nbytes) if t.out is not None else [(0, t.nbytes)])
+    ]
+    checks: queue.SimpleQueue = queue.SimpleQueue()
+    buffers = threading.local()  # one streaming buffer per reader thread
+
+    def read_piece(task: ReadTask, view: memoryview, offset: int) -> None:
+        with watch.doing(f"reading {task.path!r}"):
+            # a checked-only task is this process's share of the node's checks: nobody else
+            # reads those bytes now, there is no one to follow
+            count = (read if task.out is not None else preadv_all)(task.fd, view, offset)
+        if count < len(view):
+            raise OSError(f"the file ends before the data of {task.key!r} (truncated)")
+
+    def stream(task: ReadTask) -> str | None:
+        """The task's bytes, through this thread's buffer, into a hasher: its hex digest."""
+        if getattr(buffers, "view", None) is None:
+            buffers.view = memoryview(bytearray(STREAM_PIECE))
+        assert task.digest is not None
+        hasher = task.digest()
+        for start, size in [(s, min(STREAM_PIECE, task.nbytes - s))
+                            for s in range(0, task.nbytes, STREAM_PIECE)]:
+            if failed.error is not None or watch.cancelled:
+                return None
+            view = buffers.view[:size]
+            read_piece(task, view, task.offset + start)
+            hasher.update(view)
+        return str(hasher.hexdigest())
 
     def get(item: tuple[ReadTask, int, int]) -> None:
         task, start, size = item
-        if failed.error is not None:
+        if failed.error is not None or watch.cancelled:
             return
         try:
-            view = byte_view(task.out)[start : start + size]
-            if read(task.fd, view, task.offset + start) < size:
-                raise OSError(f"the file ends before the data of {task.key!r} (truncated)")
+            if task.out is None:
+                digest = stream(task)
+                if digest is not None and task.check is not None:
+                    checks.put((task, digest))
+                return
+            read_piece(task, byte_view(task.out)[start : start + size], task.offset + start)
         except Exception as exc:
             failed.keep(error(task, exc))
             return
         if task.piece_done() and task.check is not None:
-            verifier.submit(verify, task)  # the readers go on reading meanwhile
+            checks.put((task, task.out))  # the readers go on reading meanwhile
 
-    def verify(task: ReadTask) -> None:
-        try:
-            task.check(task.out)
-        except Exception as exc:
-            rejected.keep(error(task, exc))
+    def verify_all() -> None:
+        while True:
+            item = checks.get()
+            if item is None:
+                return
+            task, what = item
+            try:
+                task.check(what)
+            except Exception as exc:
+                rejected.keep(error(task, exc))
 
-    pieces = [(t, start, size) for t in ordered for start, size in _pieces(t.out.nbytes)]
-    with ThreadPoolExecutor(1, thread_name_prefix="mpaccel-verify") as verifier:
-        with ThreadPoolExecutor(threads, thread_name_prefix="mpaccel-read") as pool:
-            _run_all(pool, get, pieces, failed)
+    verifier = threading.Thread(target=verify_all, name="mpaccel-verify", daemon=True)
+    verifier.start()
+    try:
+        _run_all(threads, "mpaccel-read", get, pieces, failed)
+    finally:
+        checks.put(None)
+        verifier.join()
     failed.raise_if_any()
     rejected.raise_if_any()

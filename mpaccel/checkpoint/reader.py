@@ -5,7 +5,7 @@ h5py where it does not. storage.py writes what this reads."""
 from __future__ import annotations
 
 import bisect
-import json
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,11 +13,10 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
+import xxhash
 
 from . import rawio
 from .format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     INDEX_DIGEST,
     CheckpointError,
     checksum,
@@ -30,6 +29,9 @@ from .format import (
     to_numpy,
     unflatten,
 )
+from .index_check import parse_index, plain_name
+from .index_scan import MAX_INDEX_BYTES, IndexScanner
+from .shard_check import DIRECTORY_FLAGS, check_file, descriptor_path, open_regular
 
 
 class CheckpointReader:
@@ -47,62 +49,93 @@ class CheckpointReader:
         self.directory = directory
         self.stem = stem
         self.node_share = node_share
-        path = _index_path(directory, stem)
         if not os.path.isdir(directory):
             raise CheckpointError(f"no checkpoint at {directory!r}: the directory does not exist")
+        self._reset_files()
         try:
-            with open(path) as f:
-                self.index = json.load(f)
-        except FileNotFoundError:
-            kinds = {"model": "save_model", "state": "save_state"}
-            other = next(
-                (s for s in kinds if s != stem and os.path.isfile(_index_path(directory, s))),
-                None,
-            )
-            hint = "a save that was interrupted leaves no index; load the previous checkpoint."
-            if other is not None:
-                hint = (
-                    f"it holds a {kinds[other]}() checkpoint ({other}.index.json): "
-                    + (
-                        "load it with mpaccel.checkpoint.load_model_state(directory) and "
-                        "model.load_state_dict()."
-                        if other == "model"
-                        else "load it with accelerator.load_state(directory)."
-                    )
-                )
-            raise CheckpointError(
-                f"{directory!r} holds no committed checkpoint: {os.path.basename(path)} is missing",
-                hint,
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path!r} is not valid JSON: {exc}") from exc
-        if self.index.get("format") != FORMAT_NAME:
-            raise CheckpointError(f"{path!r} is not an mpaccel checkpoint index")
-        if self.index.get("format_version", 0) > FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path!r} has format version {self.index['format_version']}; this mpaccel "
-                f"reads up to {FORMAT_VERSION}",
-                "upgrade mpaccel to read it.",
-            )
+            self.index = self._read_index()
+        except BaseException:
+            self.close()
+            raise
         saved = self.index.get(INDEX_DIGEST)  # (indexes of earlier versions have none)
         if saved is not None and saved != index_digest(self.index):
+            self.close()
             raise CheckpointError(
-                f"{path!r} does not match its checksum: the index (which holds the state's "
-                "non-tensor values: learning rates, steps, positions) was changed after the "
-                "save, or is corrupted",
+                f"{_index_path(directory, stem)!r} does not match its checksum: the index (which "
+                "holds the state's non-tensor values: learning rates, steps, positions) was "
+                "changed after the save, or is corrupted",
                 "restore it from a copy, or load an earlier checkpoint.",
             )
+
+    def _reset_files(self) -> None:
+        """No file open yet (the directory is opened on first use)."""
+        self._dir_fd = -1
         self._files: dict[str, h5py.File] = {}
-        self._raw_fds: dict[str, int] = {}
+        self._raw_fds: dict[str, int] = {}  # every file's descriptor, checked (see _fd)
+        self._sizes: dict[str, int] = {}  # their real sizes
+        self._by_file: dict[str, list[tuple[str, Mapping[str, Any]]]] | None = None
+        self._refused: dict[str, tuple[str, str | None]] = {}  # files check_file refused
+
+    def _read_index(self) -> dict[str, Any]:
+        """The index, read through checks (index_check.py): a regular file of bounded size,
+        read without following links and without blocking, nested and sized within bounds,
+        and of the index's schema."""
+        name = f"{self.stem}.index.json"
+        path = self._path(name)
+        try:
+            fd = open_regular(self._directory_fd(), self.directory, name)
+        except FileNotFoundError:
+            raise self._no_index() from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_INDEX_BYTES:
+                raise CheckpointError(
+                    f"{path!r} holds {size} bytes, more than an index may ({MAX_INDEX_BYTES})",
+                    "the index was damaged or crafted; load another checkpoint.",
+                )
+            scanner, data = IndexScanner(path), bytearray()
+            while True:
+                chunk = os.read(fd, 4 << 20)
+                if not chunk:
+                    break
+                if len(data) + len(chunk) > MAX_INDEX_BYTES:  # it grew while being read
+                    raise CheckpointError(f"{path!r} holds more than {MAX_INDEX_BYTES} bytes")
+                scanner.feed(chunk)
+                data += chunk
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path!r}: {exc}") from exc
+        finally:
+            os.close(fd)
+        return parse_index(data, path)
+
+    def _no_index(self) -> CheckpointError:
+        directory, stem = self.directory, self.stem
+        kinds = {"model": "save_model", "state": "save_state"}
+        other = next(
+            (s for s in kinds if s != stem and os.path.isfile(_index_path(directory, s))), None
+        )
+        hint = "a save that was interrupted leaves no index; load the previous checkpoint."
+        if other is not None:
+            hint = f"it holds a {kinds[other]}() checkpoint ({other}.index.json): " + (
+                "load it with mpaccel.checkpoint.load_model_state(directory) and "
+                "model.load_state_dict()."
+                if other == "model"
+                else "load it with accelerator.load_state(directory)."
+            )
+        return CheckpointError(
+            f"{directory!r} holds no committed checkpoint: {stem}.index.json is missing", hint
+        )
 
     def close(self) -> None:
         files, self._files = list(self._files.values()), {}
         for f in files:
             f.close()
         fds, self._raw_fds = list(self._raw_fds.values()), {}
+        if self._dir_fd >= 0:
+            fds.append(self._dir_fd)
+            self._dir_fd = -1
         for fd in fds:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -115,43 +148,108 @@ class CheckpointReader:
         return int(self.index["world_size"])
 
     def _path(self, name: str) -> str:
+        if not plain_name(name):  # (the index's schema refuses such names already)
+            raise CheckpointError(
+                f"{self.directory!r}: the index names the file {name!r}, which is not a plain "
+                "file name in the checkpoint directory",
+                "the index was damaged or crafted; load another checkpoint.",
+            )
         return os.path.join(self.directory, name)
 
-    def _file(self, name: str) -> h5py.File:
-        if name not in self._files:
+    def _directory_fd(self) -> int:
+        """The checkpoint directory, open: its files are opened relative to it, so that they are
+        the files in it whatever its path comes to name meanwhile."""
+        if self._dir_fd < 0:
             try:
-                self._files[name] = h5py.File(self._path(name), "r")
-            except (OSError, FileNotFoundError) as exc:
+                self._dir_fd = os.open(self.directory, DIRECTORY_FLAGS)
+            except OSError as exc:
+                raise CheckpointError(f"cannot open {self.directory!r}: {exc}") from exc
+        return self._dir_fd
+
+    def _fd(self, name: str) -> int:
+        """A descriptor of the checkpoint file `name`, opened once (see open_regular)."""
+        if name not in self._raw_fds:
+            path = self._path(name)
+            try:
+                fd = open_regular(self._directory_fd(), self.directory, name)
+            except FileNotFoundError as exc:
                 raise CheckpointError(
-                    f"cannot open checkpoint file {self._path(name)!r}: {exc}"
+                    f"cannot open checkpoint file {path!r} (which holds {self._holds(name)}): "
+                    "it does not exist",
+                    "the checkpoint lost a file; restore it from a copy, or load another one.",
                 ) from exc
+            except CheckpointError as exc:
+                raise CheckpointError(f"{exc.message} (it holds {self._holds(name)})",
+                                      exc.hint) from exc
+            self._raw_fds[name] = fd
+            self._sizes[name] = os.fstat(fd).st_size
+        return self._raw_fds[name]
+
+    def _file(self, name: str) -> h5py.File:
+        """The file `name` open in HDF5 (through the descriptor _fd() checked), once every
+        dataset the index places in it passed check_file: that is before any byte of it is
+        read."""
+        if name in self._refused:  # (verify asks again for each of its tensors)
+            raise CheckpointError(*self._refused[name])
+        if name not in self._files:
+            fd = self._fd(name)
+            try:
+                f = h5py.File(descriptor_path(fd), "r")
+            except Exception as exc:
+                raise CheckpointError(
+                    f"cannot open checkpoint file {self._path(name)!r} in HDF5: {exc}",
+                    "the file is damaged; restore it from a copy, or load another checkpoint.",
+                ) from exc
+            try:
+                check_file(f, self._path(name), self._sizes[name], self._entries_in(name))
+            except CheckpointError as exc:
+                f.close()
+                self._refused[name] = (exc.message, exc.hint)
+                raise
+            except BaseException:
+                f.close()
+                raise
+            self._files[name] = f
         return self._files[name]
+
+    def _holds(self, name: str) -> str:
+        keys = [key for key, _ in self._entries_in(name)]
+        if len(keys) < 2:
+            return repr(keys[0]) if keys else "no tensor"
+        return f"{keys[0]!r} and {len(keys) - 1} other tensor(s)"
+
+    def _entries_in(self, name: str) -> list[tuple[str, Mapping[str, Any]]]:
+        """(key, entry) of every tensor the index places in file `name`."""
+        if self._by_file is None:
+            self._by_file = {}
+            for part in [self.index["tensors"], *(p["tensors"] for p in self.index["per_rank"])]:
+                for key, entry in part.items():
+                    self._by_file.setdefault(entry["file"], []).append((key, entry))
+        return self._by_file.get(name, [])
 
     def _raw(self, entry: Mapping[str, Any]) -> tuple[int, int, np.dtype] | None:
         """(descriptor, offset, dtype) to read the entry's bytes without HDF5, where the index
         vouches for them: it recorded the dataset's offset, and the file has the size the index
         recorded (a file rewritten by another tool, e.g. h5repack, has moved its data and is read
         through h5py). This spares every rank HDF5's metadata reads, small reads scattered over
-        the file, before the data streams."""
+        the file, before the data streams. Called for every item before any is read: every
+        file is opened and checked here, and one read through HDF5 has all its datasets
+        checked here (_file)."""
         offset, name = entry.get("offset"), entry["file"]
         dtype = storage_dtype(entry["dtype"])
-        if offset is None or dtype is None:
+        fd = self._fd(name)
+        if offset is None or dtype is None or self._sizes[name] != self.index.get(
+            "file_sizes", {}
+        ).get(name):
+            self._file(name)
             return None
-        if name not in self._raw_fds:
-            path = self._path(name)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise CheckpointError(f"cannot open checkpoint file {path!r}: {exc}") from exc
-            if os.fstat(fd).st_size != self.index.get("file_sizes", {}).get(name):
-                os.close(fd)
-                fd = -1
-            self._raw_fds[name] = fd
-        fd = self._raw_fds[name]
-        return (fd, int(offset), dtype) if fd >= 0 else None
+        return fd, int(offset), dtype
 
     def _verify(self, key: str, array: np.ndarray, entry: Mapping[str, Any]) -> None:
-        if checksum(array) != entry["xxh3"]:
+        self._verify_digest(key, checksum(array), entry)
+
+    def _verify_digest(self, key: str, digest: str, entry: Mapping[str, Any]) -> None:
+        if digest != entry["xxh3"]:
             raise CheckpointError(
                 f"checksum mismatch for {key!r} in {self._path(entry['file'])!r}: the file is "
                 "corrupted",
@@ -162,6 +260,7 @@ class CheckpointReader:
         self,
         wanted: list[tuple[str, Mapping[str, Any], np.ndarray | None, bool]],
         follow: bool = False,
+        defer: Deferred | None = None,
     ) -> dict[str, np.ndarray]:
         """Read (key, index entry, destination or None, verify) items, on several threads.
 
@@ -170,23 +269,28 @@ class CheckpointReader:
         rawio in file order, so the data streams before any HDF5 metadata is read; then those
         of checkpoints without offsets or rewritten by another tool, through HDF5's metadata
         (contiguous ones by rawio at the offset HDF5 gives, chunked or filtered ones by h5py).
-        `follow`: another process of this node reads the same items now (rawio.read_arrays)."""
+        `follow`: another process of this node reads the same items now (rawio.read_arrays).
+        `defer`: destinations taken as they are (in place) are not written now: their bytes
+        are checked in the file (through a small buffer) and `defer` holds them for fill()."""
         out: dict[str, np.ndarray] = {}
         rejected: list[CheckpointError] = []  # failed checks: raised once everything is read
-
-        def error(task: rawio.ReadTask, exc: BaseException) -> BaseException:
-            if isinstance(exc, CheckpointError):
-                return exc
-            return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
-
-        placed = [(item, self._raw(item[1])) for item in wanted]  # each file opened once
+        watch, opened = rawio.current_watch(), set()
+        placed = []
+        for item in wanted:  # each file opened once
+            name = item[1]["file"]
+            if name in opened:
+                placed.append((item, self._raw(item[1])))
+                continue
+            opened.add(name)
+            with watch.doing(f"opening {self._path(name)!r}"):
+                placed.append((item, self._raw(item[1])))
         for at_offsets in (True, False):
             tasks = []
             for (key, entry, dest, verify), raw in placed:
                 if (raw is not None) != at_offsets:
                     continue
                 try:
-                    task = self._read_one(key, entry, dest, verify, raw, out, rejected)
+                    task = self._read_one(key, entry, dest, verify, raw, out, rejected, defer)
                 except CheckpointError:
                     raise
                 except Exception as exc:
@@ -195,10 +299,25 @@ class CheckpointReader:
                 if task is not None:
                     tasks.append(task)
             if tasks:
-                rawio.read_arrays(tasks, error, follow=follow)
+                rawio.read_arrays(tasks, _read_error, follow=follow)
         if rejected:
             raise rejected[0]
         return out
+
+    def fill(self, held: Deferred, follow: bool = False) -> None:
+        """Copy the reads read_arrays(defer=held) held back into their destinations: read again
+        (from the page cache, as a rule) straight into them, and checked again where they were
+        checked the first time (a file changed in between is an error, raised at the end)."""
+        tasks = []
+        for key, entry, dest, verify, source in held.items:
+            if isinstance(source, np.ndarray):
+                np.copyto(dest, source)  # read (and checked) into private memory
+                continue
+            fd, offset = source
+            check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
+            tasks.append(rawio.ReadTask(key, self._path(entry["file"]), fd, offset, dest, check))
+        if tasks:
+            rawio.read_arrays(tasks, _read_error, follow=follow)
 
     def _read_one(
         self,
@@ -209,10 +328,11 @@ class CheckpointReader:
         raw: tuple[int, int, np.dtype] | None,
         out: dict[str, np.ndarray],
         rejected: list[CheckpointError],
+        defer: Deferred | None = None,
     ) -> rawio.ReadTask | None:
         """One item of read_arrays (`raw`: what _raw() said of it): puts its array in `out` and
-        returns the rawio task that fills it, or reads it here (through h5py, or empty) and
-        returns None."""
+        returns the rawio task that fills it (or, deferred, only checks it), or reads it here
+        (through h5py, or empty) and returns None."""
         path = self._path(entry["file"])
         offset: int | None
         if raw is not None:
@@ -238,11 +358,26 @@ class CheckpointReader:
             or not dest.flags.writeable
         ):
             dest = np.empty(shape, dtype=dtype)
+            defer = None  # new memory: read now
         out[key] = dest
         check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
+        if offset is not None and dest.size and fd < 0:
+            fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
+        if defer is not None and dest.size:
+            if offset is None:  # through h5py: into new memory now, copied in by fill()
+                copy = np.empty(shape, dtype=dtype)
+                defer.items.append((key, entry, dest, verify, copy))
+                dest = copy
+            else:  # its bytes checked in the file now, read in by fill()
+                defer.items.append((key, entry, dest, verify, (fd, offset)))
+                if not verify:
+                    return None
+                # format.checksum's hash, fed piece by piece
+                checked = functools.partial(self._verify_digest, key, entry=entry)
+                return rawio.ReadTask(
+                    key, path, fd, offset, None, checked, dest.nbytes, xxhash.xxh3_64
+                )
         if offset is not None and dest.size:
-            if fd < 0:
-                fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
             return rawio.ReadTask(key, path, fd, offset, dest, check)
         if dest.size:
             ds.read_direct(dest)
@@ -336,16 +471,22 @@ class CheckpointReader:
     def component(self, component: str, verify: bool = True, into: Any = None) -> Any:
         """The component's state tree. `into`: a tree whose matching tensors (same dtype and
         shape, contiguous, in host memory) are filled in place and returned as they are: no
-        new memory and no second copy, but a failed read leaves them partly overwritten."""
+        new memory and no second copy, but a failed read leaves them partly overwritten
+        (read_components(defer=...) leaves them alone until every check passed)."""
         return self.read_components([(component, into)], verify)[component]
 
     def read_components(
-        self, requests: Sequence[tuple[str, Any]], verify: bool = True
+        self,
+        requests: Sequence[tuple[str, Any]],
+        verify: bool = True,
+        defer: Deferred | None = None,
     ) -> dict[str, Any]:
         """{component: tree} for (component, into) requests (see component()), read in one pass
         in file order: a file holds tensors of several components (shard i has part of every
         model and optimizer), and reading it once from start to end, rather than once per
-        component, keeps the disk streaming."""
+        component, keeps the disk streaming. `defer`: the tensors of `into` to be filled in
+        place are only checked now (their trees hold them as they are) and filled by
+        fill(defer) later: a caller that must change nothing unless everything checks out."""
         missing = [c for c, _ in requests if c not in self.index["components"]]
         if missing:
             raise CheckpointError(
@@ -362,7 +503,8 @@ class CheckpointReader:
         plans = [
             self._plan(c, documents[c], entries, into, verify_key, claimed) for c, into in requests
         ]
-        arrays = self.read_arrays([item for wanted, _ in plans for item in wanted], index > 0)
+        items = [item for wanted, _ in plans for item in wanted]
+        arrays = self.read_arrays(items, index > 0, defer)
         return {
             c: self._build(c, documents[c], entries, arrays, reuse)
             for (c, _), (_, reuse) in zip(requests, plans, strict=True)
@@ -402,6 +544,21 @@ class CheckpointReader:
                 f"{entry['dtype']} {entry['shape']}",
                 "the file was changed after the save; restore it, or load an earlier checkpoint.",
             )
+
+
+class Deferred:
+    """In-place reads held back by read_arrays(defer=...) until CheckpointReader.fill(): (key,
+    entry, destination, verify, where its bytes are: (fd, offset) in the file, or an array
+    they were read into)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, Mapping[str, Any], np.ndarray, bool, Any]] = []
+
+
+def _read_error(task: rawio.ReadTask, exc: BaseException) -> BaseException:
+    if isinstance(exc, CheckpointError):
+        return exc
+    return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
 
 
 def _index_path(directory: str, stem: str) -> str:

@@ -10,6 +10,8 @@ Call sequence of `write_checkpoint` (collective, every rank, same arguments but 
      fsynced, then renamed; all ranks agree it worked (else everyone raises, files removed);
   4. rank 0 writes `<stem>.index.json` (temp file, fsync, rename, fsync of the directory),
      then deletes files of earlier saves; all ranks agree it worked.
+Each rank's file I/O in 2-4 runs under rawio.within(): a rank whose file system stops
+answering fails the step under the collective timeout, and every rank raises naming it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -27,8 +30,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..comm import Comm
+from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .format import (
     FORMAT_NAME,
@@ -90,12 +94,13 @@ def _make_directory(directory: str) -> None:
     that must survive a power loss along with the checkpoint)."""
     created = []
     path = os.path.abspath(directory)
-    while not os.path.isdir(path):
-        created.append(path)
-        path = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    for path in reversed(created):
-        _fsync_path(os.path.dirname(path))
+    with rawio.current_watch().doing(f"creating {directory!r}"):
+        while not os.path.isdir(path):
+            created.append(path)
+            path = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        for path in reversed(created):
+            _fsync_path(os.path.dirname(path))
 
 
 def _layout(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict:
@@ -165,7 +170,7 @@ def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dic
                     warnings.warn(
                         f"{what}: the value at {where!r} differs between rank 0 and rank {rank}; "
                         "the checkpoint holds rank 0's",
-                        RuntimeWarning,
+                        MpaccelRuntimeWarning,
                         stacklevel=4,
                     )
                     break
@@ -273,10 +278,13 @@ def write_checkpoint(
     _check_same_on_every_rank(comm, what, documents, _layout(arrays, dtypes))
 
     save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
+    limit = rawio.stall_limit(comm.default_timeout)
     error = None
     if comm.rank == 0:
         try:
-            _make_directory(directory)
+            rawio.within(limit, what, lambda: _make_directory(directory))
+        except rawio.StalledIOError as exc:
+            error = exc
         except Exception as exc:
             error = CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
     comm.agree(error, what + " (creating the directory)", kind=CheckpointCollectiveError)
@@ -286,8 +294,11 @@ def write_checkpoint(
     written: list[str] = []
     entries: dict[str, Any] = {}
     sizes: dict[str, int] = {}
-    error = None
-    try:
+    rank_file: str | None = None
+    rank_entries: dict[str, Any] = {}
+
+    def write_mine() -> None:
+        nonlocal rank_file, rank_entries
         for shard_no in range(comm.rank, total, comm.size):
             name = f"{stem}-{save_id}-{shard_no + 1:05d}-of-{total:05d}.h5"
             path = os.path.join(directory, name)
@@ -296,13 +307,19 @@ def write_checkpoint(
                 path, {k: arrays[k] for k in shards[shard_no]}, dtypes
             )
             entries.update(shard_entries)
-        rank_file = None
         if per_rank is not None:
             rank_file = f"{stem}-{save_id}-rank{comm.rank:05d}.h5"
             written.append(os.path.join(directory, rank_file))
             rank_entries, sizes[rank_file] = _write_h5(
                 os.path.join(directory, rank_file), rank_arrays, rank_dtypes
             )
+
+    error = None
+    stalled = False
+    try:
+        rawio.within(limit, what, write_mine)
+    except rawio.StalledIOError as exc:
+        error, stalled = exc, True
     except Exception as exc:
         where = written[-1] if written else directory
         # No __cause__: its traceback would keep h5py objects of the failed file alive until
@@ -311,7 +328,8 @@ def write_checkpoint(
     try:
         comm.agree(error, what + " (writing shards)", kind=CheckpointCollectiveError)
     except Exception:
-        _remove(written)  # every rank drops its files of a save that will not be committed
+        if not stalled:  # (the thread left writing owns its files)
+            _remove(written)  # every rank drops its files of a save that will not be committed
         raise
 
     gathered = comm.allgather(
@@ -338,13 +356,22 @@ def write_checkpoint(
         "file_sizes": {name: size for _, _, part in gathered for name, size in part.items()},
     }
     error = None
-    committed = False
+    # whether the index is in place: True, False, or None when rank 0's file system stopped
+    # answering while it wrote it (the rename may still happen): then every file stays
+    committed: bool | None = False
+
+    def commit() -> None:
+        nonlocal committed
+        write_index(directory, stem, index)
+        committed = True  # from here on, a failure must not take its files away
+        _fsync_path(directory)
+        remove_stale(directory, stem, index)
+
     if comm.rank == 0:
         try:
-            write_index(directory, stem, index)
-            committed = True  # from here on, a failure must not take its files away
-            _fsync_path(directory)
-            remove_stale(directory, stem, index)
+            rawio.within(limit, what, commit)
+        except rawio.StalledIOError as exc:
+            error, committed = exc, committed or None
         except Exception as exc:
             error = CheckpointError(f"cannot commit the index of {directory!r}: {exc}")
             error.__cause__ = exc
@@ -352,7 +379,7 @@ def write_checkpoint(
     try:
         comm.agree(error, what + " (committing the index)", kind=CheckpointCollectiveError)
     except Exception:
-        if not committed:  # a save that will never be loaded: its files go
+        if committed is False:  # a save that will never be loaded: its files go
             _remove(written)
         raise
     return index
@@ -364,15 +391,30 @@ def write_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
     final = os.path.join(directory, f"{stem}.index.json")
     temp = f"{final}.tmp-{index['save_id']}"
     index = {**index, INDEX_DIGEST: index_digest(index)}
+    watch = rawio.current_watch()
     try:
-        with open(temp, "w") as f:
+        with open(temp, "w") as f, watch.doing(f"writing {temp!r}"):
             json.dump(index, f, indent=1, allow_nan=False)  # non-finite floats are tagged
             f.flush()
             os.fsync(f.fileno())
+        watch.check()  # a commit given up on (see rawio.within) must not happen behind it
         os.replace(temp, final)
     except BaseException:
         _remove([temp])
         raise
+
+
+def delete_checkpoint(directory: str, stem: str) -> None:
+    """Delete a checkpoint directory so that it is never taken for a complete one, however the
+    process ends meanwhile: the commit is undone first (its index removed, the directory
+    synced), then the rest goes; leftovers are debris without an index."""
+    try:
+        os.remove(os.path.join(directory, f"{stem}.index.json"))
+    except FileNotFoundError:
+        pass
+    else:
+        _fsync_path(directory)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def remove_stale(directory: str, stem: str, index: Mapping[str, Any]) -> None:

@@ -10,10 +10,11 @@ left over from another launch).
 from __future__ import annotations
 
 from .._env import Snapshot
-from .base import Launcher, ProcessInfo, layout_from_node_keys
-from .mpi import HydraLauncher, OpenMPILauncher, PMILauncher, leftover_notes, mpi_family
+from .base import Launcher, ProcessInfo, layout_from_node_keys, mpi_family
+from .mpi import HydraLauncher, OpenMPILauncher, PMILauncher, leftover_notes
 from .single import SingleProcess
-from .slurm import SlurmBatchShell, SlurmFacts, SrunLauncher, expand_nodelist
+from .slurm import SlurmBatchShell, SrunLauncher
+from .slurm_facts import SlurmFacts, expand_nodelist
 
 LAUNCHERS: tuple[type[Launcher], ...] = (
     OpenMPILauncher,  # OMPI_COMM_WORLD_SIZE: Open MPI's mpirun, also inside Slurm

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .._env import Snapshot
+
+if TYPE_CHECKING:
+    from .slurm_facts import SlurmFacts
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,31 @@ def layout_from_node_keys(keys: Sequence[Hashable], rank: int, hostname: str) ->
     )
 
 
+def mpi_family(library_version: str) -> str:
+    """'mpich', 'openmpi', 'intel', 'mvapich' or 'unknown', from MPI_Get_library_version()."""
+    text = library_version.lower()
+    if "open mpi" in text:
+        return "openmpi"
+    if "intel" in text:
+        return "intel"
+    if "mvapich" in text:
+        return "mvapich"
+    if "mpich" in text:
+        return "mpich"
+    return "unknown"
+
+
 class Launcher:
     """One way a job gets started (mpiexec of some MPI, srun, plain python).
 
     Subclasses answer from an environment snapshot taken before MPI_Init; they never write it.
+    Their launch checks are the methods below the hints: discover() calls each of them on
+    every rank, for whichever launcher it detected, and a launcher overrides those it has
+    something to check; the defaults find nothing. (The checks every launcher shares, the
+    world's size against expected_world_size() and a PMIx launcher before MPI_Init, are
+    discovery's own.)
     """
+
 
     name = "unknown"
     # The MPI library families (mpi_family) whose launcher this is; empty: not an MPI library's.
@@ -117,3 +141,22 @@ class Launcher:
             "inside srun or inside another mpiexec), or exported by hand. Start the ranks with one "
             "launcher, and do not export a launcher's variables yourself."
         )
+
+    def leftover_notes(self, mpi_library: str) -> list[str]:
+        """Warnings for variables that another launch left in this process's environment,
+        once the MPI library is known."""
+        return []
+
+    def check_layout(
+        self, slurm: Sequence[SlurmFacts], keys: Sequence[Hashable], hosts: Sequence[str]
+    ) -> None:
+        """Raise LaunchError when every rank's facts (`slurm[r]`, node key `keys[r]` and host
+        `hosts[r]` of rank r, gathered by discovery) contradict how this launcher placed the
+        ranks. The same facts on every rank: every rank raises the same error."""
+
+    def allocation_notes(
+        self, slurm: SlurmFacts, world: int, nodes: int | None = None
+    ) -> list[str]:
+        """Warnings for a Slurm allocation that this launch of `world` processes (on `nodes`
+        Slurm nodes, if known) leaves partly idle or overfills."""
+        return []

@@ -7,23 +7,10 @@ each other. When the two disagree, the HINT says which half to change.
 from __future__ import annotations
 
 from .. import _env
-from ..errors import LaunchError
-from .base import Launcher
-
-
-def mpi_family(library_version: str) -> str:
-    """'mpich', 'openmpi', 'intel', 'mvapich' or 'unknown', from MPI_Get_library_version()."""
-    text = library_version.lower()
-    if "open mpi" in text:
-        return "openmpi"
-    if "intel" in text:
-        return "intel"
-    if "mvapich" in text:
-        return "mvapich"
-    if "mpich" in text:
-        return "mpich"
-    return "unknown"
-
+from ..errors import LaunchError, with_hint
+from .base import Launcher, mpi_family
+from .slurm import notes_on_allocation
+from .slurm_facts import SlurmFacts
 
 _LIBMPI = {"mpich": "libmpich.so.12", "openmpi": "libmpi.so.40"}
 
@@ -33,7 +20,20 @@ def _first_line(library_version: str) -> str:
     return " ".join(lines[0].split())
 
 
-class OpenMPILauncher(Launcher):
+class MPILauncher(Launcher):
+    """A launcher of an MPI library. Inside a Slurm allocation it starts its ranks itself, so
+    its launch may leave some of the allocation idle, or start more ranks than it holds."""
+
+    def leftover_notes(self, mpi_library: str) -> list[str]:
+        return leftover_notes(self.env, self, mpi_library)
+
+    def allocation_notes(
+        self, slurm: SlurmFacts, world: int, nodes: int | None = None
+    ) -> list[str]:
+        return notes_on_allocation(slurm, f"{self.name} started {world} rank(s)", world, nodes)
+
+
+class OpenMPILauncher(MPILauncher):
     """`mpirun`/`mpiexec`/`prterun` of Open MPI (also when it runs its daemons inside Slurm)."""
 
     name = "Open MPI mpirun"
@@ -65,7 +65,7 @@ class OpenMPILauncher(Launcher):
         )
 
 
-class HydraLauncher(Launcher):
+class HydraLauncher(MPILauncher):
     """MPICH's (or Intel MPI's) hydra `mpiexec`. Sets MPI_LOCALRANKID, PMI_RANK and PMI_SIZE."""
 
     name = "MPICH hydra mpiexec"
@@ -98,7 +98,7 @@ class HydraLauncher(Launcher):
         )
 
 
-class PMILauncher(Launcher):
+class PMILauncher(MPILauncher):
     """Any other launcher that speaks PMI and says so in PMI_SIZE."""
 
     name = "PMI launcher"
@@ -132,15 +132,15 @@ def leftover_notes(env: _env.Snapshot, launcher: Launcher, mpi_library: str) -> 
         variable = _env.source_name(logical, env)
         if family in cls.families or variable is None:
             continue
-        notes.append(
+        message = (
             f"{variable}={_env.get(logical, env)!r} is set as if {cls.name} had started this "
             f"process, but {launcher.name} did ({launcher.size_variable()}="
             f"{launcher.expected_world_size()}; mpi4py loaded {_first_line(mpi_library)!r}): "
             f"{variable} was left over from another launch (exported by hand, or inherited by an "
             "mpiexec started from inside another MPI job). mpaccel ignores it; code that reads "
-            f"it (Accelerate's MPI detection does) takes a wrong rank or size. HINT: unset "
-            f"{variable} and {siblings} before launching."
+            "it (Accelerate's MPI detection does) takes a wrong rank or size."
         )
+        notes.append(with_hint(message, f"unset {variable} and {siblings} before launching.", " "))
     return notes
 
 

@@ -1,5 +1,5 @@
-"""Slurm: the facts a task reads from SLURM_* variables, the `srun` launcher, and the cross-checks
-that turn the classic launch mistakes into errors with a HINT.
+"""Slurm: the `srun` launcher, the batch shell, and the cross-checks that turn the classic launch
+mistakes into errors with a HINT (the facts they check: slurm_facts.py).
 
 The checks are pure functions of every rank's facts, so each rank reaches the same verdict and
 raises the same error without another collective.
@@ -7,54 +7,14 @@ raises the same error without another collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-import hostlist
+from collections.abc import Hashable, Sequence
 
 from .. import _env
-from .._env import Snapshot
-from ..errors import LaunchError
-from .base import Launcher, ProcessInfo
-from .mpi import mpi_family
+from ..errors import LaunchError, with_hint
+from .base import Launcher, ProcessInfo, layout_from_node_keys, mpi_family
+from .slurm_facts import Runs, SlurmFacts, runs_of, runs_text
 
 SKIP_HINT = "(set MPACCEL_SKIP_LAUNCH_CHECKS=1 if this layout is intended)"
-
-
-def expand_nodelist(expression: str | None) -> list[str]:
-    """`gpu[01-03,07],login1` -> ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1'].
-
-    Delegates to python-hostlist, the parser Slurm sites already use (zero padding, ranges,
-    several bracket groups, nested commas).
-    """
-    if not expression:
-        return []
-    try:
-        return list(hostlist.expand_hostlist(expression))
-    except hostlist.BadHostlist as exc:
-        raise LaunchError(
-            f"cannot parse the Slurm node list {expression!r}: {exc}",
-            "check SLURM_JOB_NODELIST / SLURM_STEP_NODELIST; they are set by Slurm, not by hand.",
-        ) from exc
-
-
-Runs = tuple[tuple[int, int], ...]  # Slurm's `2(x3),1` as ((2, 3), (1, 1)): never expanded
-
-
-def runs_text(runs: Runs) -> str:
-    """((2, 3), (1, 1)) -> '2(x3),1', Slurm's own way of writing per-node counts."""
-    return ",".join(f"{count}(x{repeat})" if repeat > 1 else str(count) for count, repeat in runs)
-
-
-def runs_of(counts: Sequence[int]) -> Runs:
-    """[2, 2, 2, 1] -> ((2, 3), (1, 1))."""
-    runs: list[tuple[int, int]] = []
-    for count in counts:
-        if runs and runs[-1][0] == count:
-            runs[-1] = (count, runs[-1][1] + 1)
-        else:
-            runs.append((count, 1))
-    return tuple(runs)
 
 
 def _tally(runs: Runs) -> dict[int, int]:
@@ -63,75 +23,6 @@ def _tally(runs: Runs) -> dict[int, int]:
     for count, repeat in runs:
         nodes[count] = nodes.get(count, 0) + repeat
     return nodes
-
-
-@dataclass(frozen=True)
-class SlurmFacts:
-    """What one task reads from its SLURM_* variables (None: not set)."""
-
-    job_id: str | None = None
-    array_job_id: str | None = None
-    array_task_id: str | None = None
-    job_name: str | None = None
-    restart_count: int | None = None
-    step_id: str | None = None
-    ntasks: int | None = None
-    step_num_tasks: int | None = None
-    step_num_nodes: int | None = None
-    job_num_nodes: int | None = None
-    ntasks_per_node: int | None = None
-    tasks_per_node: Runs = ()
-    tasks_per_node_variable: str | None = None  # SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE
-    job_cpus_per_node: Runs = ()
-    cpus_per_task: int | None = None
-    procid: int | None = None
-    localid: int | None = None
-    nodeid: int | None = None
-    nodename: str | None = None
-    nodelist: tuple[str, ...] = ()
-    job_nodelist: tuple[str, ...] = ()
-    mpi_type: str | None = None
-    partition: str | None = None
-
-    @classmethod
-    def from_env(cls, env: Snapshot) -> SlurmFacts:
-        def integer(name: str) -> int | None:
-            return _env.get_int(name, env)
-
-        return cls(
-            job_id=_env.get("slurm_job_id", env),
-            array_job_id=_env.get("slurm_array_job_id", env),
-            array_task_id=_env.get("slurm_array_task_id", env),
-            job_name=_env.get("slurm_job_name", env),
-            restart_count=integer("slurm_restart_count"),
-            step_id=_env.get("slurm_step_id", env),
-            ntasks=integer("slurm_ntasks"),
-            step_num_tasks=integer("slurm_step_num_tasks"),
-            step_num_nodes=integer("slurm_step_num_nodes"),
-            job_num_nodes=integer("slurm_job_num_nodes"),
-            ntasks_per_node=integer("slurm_ntasks_per_node"),
-            tasks_per_node=_env.get_runs("slurm_tasks_per_node", env),
-            tasks_per_node_variable=_env.source_name("slurm_tasks_per_node", env),
-            job_cpus_per_node=_env.get_runs("slurm_job_cpus_per_node", env),
-            cpus_per_task=integer("slurm_cpus_per_task"),
-            procid=integer("slurm_procid"),
-            localid=integer("slurm_localid"),
-            nodeid=integer("slurm_nodeid"),
-            nodename=_env.get("slurm_nodename", env),
-            nodelist=tuple(expand_nodelist(_env.get("slurm_nodelist", env))),
-            job_nodelist=tuple(expand_nodelist(_env.get("slurm_job_nodelist", env))),
-            mpi_type=_env.get("slurm_mpi_type", env),
-            partition=_env.get("slurm_partition", env),
-        )
-
-    @property
-    def in_job(self) -> bool:
-        return self.job_id is not None
-
-    @property
-    def in_step(self) -> bool:
-        """True inside an `srun` step (the batch shell has no SLURM_STEP_NUM_TASKS)."""
-        return self.step_num_tasks is not None
 
 
 def srun_mpi_hint(mpi_library: str, mpi_type: str | None) -> str:
@@ -161,12 +52,8 @@ class SrunLauncher(Launcher):
             _env.is_set("slurm_step_num_tasks", env) and _env.is_set("slurm_procid", env)
         )
 
-    def __init__(self, env: Snapshot) -> None:
-        super().__init__(env)
-        self.facts = SlurmFacts.from_env(env)
-
     def expected_world_size(self):
-        return self.facts.step_num_tasks
+        return _env.get_int("slurm_step_num_tasks", self.env)
 
     def size_variable(self):
         return "SLURM_STEP_NUM_TASKS"
@@ -174,12 +61,13 @@ class SrunLauncher(Launcher):
     def node_key(self):
         # Slurm's node, not the shared-memory domain: simulated nodes share one host, and on real
         # clusters the two agree. GPU binding and SLURM_LOCALID follow Slurm's node.
-        if self.facts.nodename is not None:
-            return self.facts.nodename
-        return self.facts.nodeid
+        nodename = _env.get("slurm_nodename", self.env)
+        if nodename is not None:
+            return nodename
+        return _env.get_int("slurm_nodeid", self.env)
 
     def singleton_hint(self, mpi_library):
-        return srun_mpi_hint(mpi_library, self.facts.mpi_type)
+        return srun_mpi_hint(mpi_library, _env.get("slurm_mpi_type", self.env))
 
     def mismatch_hint(self, mpi_library):
         return (
@@ -189,6 +77,14 @@ class SrunLauncher(Launcher):
             "srun task, or variables exported by hand): launch the ranks with one srun directly. "
             + SKIP_HINT
         )
+
+    # No allocation_notes: srun runs the allocation's own tasks, and check_layout compares
+    # the step with the world instead.
+    def check_layout(
+        self, slurm: Sequence[SlurmFacts], keys: Sequence[Hashable], hosts: Sequence[str]
+    ) -> None:
+        infos = [layout_from_node_keys(keys, r, hosts[r]) for r in range(len(keys))]
+        check_srun_layout(slurm, infos)
 
 
 class SlurmBatchShell(Launcher):
@@ -202,6 +98,12 @@ class SlurmBatchShell(Launcher):
 
     def expected_world_size(self):
         return None
+
+    def allocation_notes(
+        self, slurm: SlurmFacts, world: int, nodes: int | None = None
+    ) -> list[str]:
+        how = "python ran directly in the batch script (or salloc's shell), not under srun"
+        return notes_on_allocation(slurm, how, world, nodes)
 
 
 def check_srun_layout(facts: Sequence[SlurmFacts], infos: Sequence[ProcessInfo]) -> None:
@@ -281,63 +183,70 @@ def _job_tasks(facts: SlurmFacts) -> tuple[int, str, bool] | None:
 
 
 WHOLE_ALLOCATION_HINT = (
-    "HINT: use `srun --mpi=pmi2 python ...` (MPICH), or `mpiexec python ...` without -n: inside "
-    "an allocation, MPICH's mpiexec and Open MPI's mpirun start one rank per Slurm task."
+    "use `srun --mpi=pmi2 python ...` (MPICH), or `mpiexec python ...` without -n: inside an "
+    "allocation, MPICH's mpiexec and Open MPI's mpirun start one rank per Slurm task."
 )
 
 
 def _more_tasks_hint(world: int) -> str:
     return (
-        f"HINT: ask Slurm for {world} tasks (`sbatch -n {world}` / `salloc -n {world}`), or omit "
-        "-n from mpiexec to start one rank per Slurm task."
+        f"ask Slurm for {world} tasks (`sbatch -n {world}` / `salloc -n {world}`), or omit -n "
+        "from mpiexec to start one rank per Slurm task."
     )
 
 
 def allocation_warnings(
     facts: SlurmFacts, launcher: Launcher, world: int, nodes: int | None = None
 ) -> list[str]:
-    """Suspicious but possibly intended layouts inside a Slurm job (warnings, not errors).
+    """What discovery warns about `launcher`'s launch of `world` processes (on `nodes` Slurm
+    nodes, if known) inside the Slurm job `facts` describe: its allocation_notes."""
+    return launcher.allocation_notes(facts, world, nodes)
+
+
+def notes_on_allocation(
+    facts: SlurmFacts, how: str, world: int, nodes: int | None = None
+) -> list[str]:
+    """Suspicious but possibly intended layouts inside a Slurm job (warnings, not errors), for
+    `world` processes that a launcher other than srun started (`how` it did, for the messages).
 
     `nodes`: on how many Slurm nodes (SLURMD_NODENAME) the world's processes run, if known.
-    Under srun, check_srun_layout compares the step with the world instead.
     """
     out: list[str] = []
-    if not facts.in_job or isinstance(launcher, SrunLauncher):
+    if not facts.in_job:
         return out
-    if isinstance(launcher, SlurmBatchShell):
-        how = "python ran directly in the batch script (or salloc's shell), not under srun"
-    else:
-        how = f"{launcher.name} started {world} rank(s)"
     tasks = _job_tasks(facts)
     if tasks is not None and world < tasks[0]:
         count, source, exact = tasks
         has = f"has {count} tasks" if exact else f"asked for up to {count} tasks"
-        out.append(
+        message = (
             f"this Slurm job {has} ({source}) but only {world} process(es) joined the MPI "
-            f"world: {how}. {WHOLE_ALLOCATION_HINT}"
+            f"world: {how}."
         )
+        out.append(with_hint(message, WHOLE_ALLOCATION_HINT, " "))
     elif nodes is not None and facts.job_num_nodes is not None and nodes < facts.job_num_nodes:
-        out.append(
+        message = (
             f"this Slurm job has {facts.job_num_nodes} nodes (SLURM_JOB_NUM_NODES) but its "
             f"{world} MPI process(es) run on {nodes} of them: {how}, and the other node(s) "
-            f"stay idle. {WHOLE_ALLOCATION_HINT}"
+            "stay idle."
         )
+        out.append(with_hint(message, WHOLE_ALLOCATION_HINT, " "))
     cpus = sum(count * repeat for count, repeat in facts.job_cpus_per_node)
     per_task = facts.cpus_per_task or 1
     if tasks is not None and world > tasks[0]:
         count, source, exact = tasks
         has = f"has {count} tasks" if exact else f"asked for at most {count} tasks"
-        out.append(
+        message = (
             f"{how}, but this Slurm job {has} ({source}): its CPUs (and GPUs) were allocated "
-            f"for fewer processes. {_more_tasks_hint(world)}"
+            "for fewer processes."
         )
+        out.append(with_hint(message, _more_tasks_hint(world), " "))
     elif cpus and world * per_task > cpus:
         need = f"{world} rank(s)"
         if facts.cpus_per_task:
             need += f" x {per_task} CPUs (SLURM_CPUS_PER_TASK={facts.cpus_per_task})"
-        out.append(
+        message = (
             f"{how}, but this Slurm job holds {cpus} CPU(s) (SLURM_JOB_CPUS_PER_NODE="
-            f"{runs_text(facts.job_cpus_per_node)}), fewer than {need}: the ranks share "
-            f"CPUs. {_more_tasks_hint(world)}"
+            f"{runs_text(facts.job_cpus_per_node)}), fewer than {need}: the ranks share CPUs."
         )
+        out.append(with_hint(message, _more_tasks_hint(world), " "))
     return out

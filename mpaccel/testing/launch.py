@@ -173,8 +173,13 @@ def run_mpi(
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
+    per_rank_output: bool = True,
 ) -> MPIRun:
     """Run `python ARGS` (a script path, or `-m module ...`) on n ranks under mpiexec.
+
+    Each rank's stdout and stderr are kept apart in files. `per_rank_output=False` leaves them
+    to the launcher instead, as a user's terminal has them: they are then all in
+    `launcher_output` (stderr merged), `stdout` and `stderr` are empty.
 
     Never hangs: after `timeout` seconds the launcher's process group is terminated (then killed)
     and the result says timed_out=True. No rank outlives it: each rank writes its pid and start
@@ -183,7 +188,8 @@ def run_mpi(
     """
     argv, extra = mpiexec_command(n)
     outdir = tempfile.mkdtemp(prefix="mpaccel-run-")
-    command = [*argv, sys.executable, "-m", "mpaccel.testing.rankio", outdir, *args]
+    mode = [] if per_rank_output else ["--launcher-output"]
+    command = [*argv, sys.executable, "-m", "mpaccel.testing.rankio", outdir, *mode, *args]
     child_env = _env.child_environment({**extra, **(env or {})})
     start = time.monotonic()
     proc = subprocess.Popen(

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING
 import pytest
 from _pytest._io import TerminalWriter
 
-from .. import _env
+from .. import _env, lifecycle
 from ..environments import detect_launcher
 from .fixtures import accelerator, comm, mpi_tmp_path, reset_state, state
 from .session import KEY, MPISession, session_of
 from .watchdog import DEFAULT_TIMEOUT, Watchdog, config_timeout
+from .world import world_rank
 
 if TYPE_CHECKING:
     from ..discovery import Discovery
@@ -68,24 +69,7 @@ def _discover_job() -> Discovery:
     except (LaunchError, ConfigurationError) as exc:
         # The same error on every rank; a real world prints it once, from rank 0, while every
         # silent singleton is a rank 0 of its own and prints it.
-        raise pytest.UsageError(*([str(exc)] if _world_rank() == 0 else [])) from exc
-
-
-def _abort(code: int) -> None:
-    """MPI_Abort where MPI is up; before (or after) it, this process alone ends."""
-    MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.COMM_WORLD.Abort(code)
-    os._exit(code)
-
-
-def _world_rank() -> int:
-    """This process's rank in COMM_WORLD; where MPI is not (or no longer) initialised, the
-    launcher's word for it, else 0."""
-    MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
-        return _env.rank_before_init() or 0
-    return int(MPI.COMM_WORLD.Get_rank())
+        raise pytest.UsageError(*([str(exc)] if world_rank() == 0 else [])) from exc
 
 
 # -- hooks -----------------------------------------------------------------------------------
@@ -179,7 +163,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # importing, or whose pytest_configure never returns, leaves the others waiting in
     # discovery or in the start check, which have no deadline of their own that short.
     seconds = config_timeout(config)
-    watchdog = Watchdog(_world_rank(), size, _abort, _stderr_fd)
+    watchdog = Watchdog(world_rank(), size, lifecycle.abort_job, _stderr_fd)
     watchdog.arm("starting the session (every rank's conftest.py and pytest_configure)", seconds)
     watchdog.phase("waiting for the other ranks")
     if 0 < seconds < math.inf:

@@ -1,6 +1,7 @@
-"""`python -m mpaccel.testing.rankio DIR (script.py | -m module) [args]`: run a script or module
-with this rank's stdout and stderr in DIR/rank-R.out and DIR/rank-R.err, and the exit code it
-ended with in DIR/rank-R.rc (none when it died of a signal or an abort). First of all it writes
+"""`python -m mpaccel.testing.rankio DIR [--launcher-output] (script.py | -m module) [args]`: run a
+script or module with this rank's stdout and stderr in DIR/rank-R.out and DIR/rank-R.err (with
+--launcher-output: left to the launcher, as in a terminal), and the exit code it ended with in
+DIR/rank-R.rc (none when it died of a signal or an abort). First of all it writes
 DIR/rank-R.pid, "PID STARTTIME", so that run_mpi can kill a rank its launcher left behind."""
 
 from __future__ import annotations
@@ -26,11 +27,17 @@ def write_pid_file(path: str) -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
-        raise SystemExit("usage: python -m mpaccel.testing.rankio DIR (script.py | -m module) ...")
+        raise SystemExit(
+            "usage: python -m mpaccel.testing.rankio DIR [--launcher-output] "
+            "(script.py | -m module) ..."
+        )
     directory, target = argv[0], argv[1:]
+    to_files = target[0] != "--launcher-output"
+    if not to_files:
+        target = target[1:]
     rank = rank_before_init() or 0
     write_pid_file(os.path.join(directory, f"rank-{rank}.pid"))
-    for fd, suffix in ((1, "out"), (2, "err")):
+    for fd, suffix in ((1, "out"), (2, "err")) if to_files else ():
         handle = os.open(
             os.path.join(directory, f"rank-{rank}.{suffix}"),
             os.O_WRONLY | os.O_CREAT | os.O_TRUNC,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _pytest._io import TerminalWriter
 
+from .. import lifecycle
+from .alerts import Alerts
 from .outcomes import PhaseOutcome, collection_mismatch, combine, exit_everywhere
 from .watchdog import Watchdog, config_timeout, timeout_for
 
@@ -46,16 +48,19 @@ class MPISession:
         stays armed: the start of the session is under the run's deadline too)."""
         from mpi4py import MPI
 
-        from ..comm import Alerts, MPIComm, install_alerts
+        from ..comm import MPIComm
 
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
         self.comm = MPIComm(self.world, default_timeout=1e9, interruptible=False)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.alerts = Alerts(self.world)
-        install_alerts(self.alerts)
+        # The job's communicator (the one tests use) gives up when another rank's test failed.
+        self._listener = job.comm if isinstance(job.comm, MPIComm) else None
+        if self._listener is not None:
+            self._listener.listen(self.alerts)
         self.stderr_fd = stderr_fd
-        self.watchdog = watchdog or Watchdog(self.rank, self.size, self.world.Abort, stderr_fd)
+        self.watchdog = watchdog or Watchdog(self.rank, self.size, lifecycle.abort_job, stderr_fd)
         # Where the ranks' basetemp dirs (rank-R) and mpi_tmp_path's (shared/) are: a given
         # --basetemp (the way to a filesystem every node sees), else a new dir in rank 0's TMPDIR.
         self.given_base = config.option.basetemp is not None
@@ -310,7 +315,7 @@ class MPISession:
             f"cannot follow it: ending every rank with exit code {int(code)}\n".encode(
                 errors="replace"),
         )
-        self.world.Abort(int(code))
+        lifecycle.abort_job(int(code))
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Iterator[Any]:
@@ -344,11 +349,10 @@ class MPISession:
             self.watchdog.disarm()
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
-        from ..comm import install_alerts
-
         if self._start_checked:  # else check_start below stops every rank, as they agree
             self._end_alone()  # where pytest skipped sessionfinish (an error in sessionstart)
-        install_alerts(None)
+        if self._listener is not None:
+            self._listener.listen(None)
         self.watchdog.finish()  # a deadline that went off ends the job here, as it said
         if self._devnull is not None:
             self._devnull.close()

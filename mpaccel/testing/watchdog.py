@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from .. import _env
+from .world import world_rank
 
 if TYPE_CHECKING:
     import pytest
@@ -62,9 +63,7 @@ def _usage_error(text: str) -> NoReturn:
     """pytest's usage error, its text printed by rank 0 alone."""
     import pytest
 
-    from .plugin import _world_rank
-
-    raise pytest.UsageError(*([text] if _world_rank() == 0 else []))
+    raise pytest.UsageError(*([text] if world_rank() == 0 else []))
 
 
 class Watchdog:

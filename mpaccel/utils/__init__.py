@@ -109,6 +109,7 @@ from .memory import find_executable_batch_size, release_memory
 from .operations import (
     DistributedOperationException,
     concatenate,
+    copy_tensor_to_devices,
     find_batch_size,
     honor_type,
     is_namedtuple,
@@ -157,6 +158,7 @@ __all__ += [
     "TorchTensorParallelPlugin",
     "compare_versions",
     "concatenate",
+    "copy_tensor_to_devices",
     "extract_model_from_parallel",
     "find_batch_size",
     "find_executable_batch_size",

@@ -4,13 +4,13 @@ which retries a function with smaller batches after an out-of-memory error, ever
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from ..comm import agreement
+from ..device import clear_device_cache as clear_device_cache
+from ..device import release_memory as release_memory
 from ..errors import ConfigurationError
 
 # What torch's allocators say when memory runs out (CUDA/HIP/XPU, MPS, CPU, Gaudi), and cuDNN's
@@ -22,27 +22,6 @@ _OUT_OF_MEMORY = (
     "DefaultCPUAllocator: can't allocate memory",
     "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",
 )
-
-
-def clear_device_cache(garbage_collection: bool = False) -> None:
-    """Return the memory torch's allocator caches on this machine's accelerator (CUDA, XPU,
-    MPS); `garbage_collection`: run gc.collect() first (slow)."""
-    if garbage_collection:
-        gc.collect()
-    for name in ("cuda", "xpu", "mps"):
-        module = getattr(torch, name, None)
-        available = getattr(module, "is_available", None)
-        if module is not None and available is not None and available():
-            module.empty_cache()
-
-
-def release_memory(*objects: Any) -> list[None]:
-    """`objects` replaced by None, after a garbage collection and emptying the device cache:
-    `a, b = release_memory(a, b)`. Not collective."""
-    released: list[None] = [None] * len(objects)
-    del objects
-    clear_device_cache(garbage_collection=True)
-    return released
 
 
 def should_reduce_batch_size(exception: BaseException) -> bool:
@@ -105,17 +84,16 @@ def find_executable_batch_size(
                     "free memory (a smaller model, gradient checkpointing, mixed precision) "
                     "or start from a batch size that fits.",
                 )
-            error: BaseException | None = None
             out_of_memory = False
             result = None
-            try:
-                result = function(batch_size, *args, **kwargs)
-            except Exception as exc:
-                out_of_memory = should_reduce_batch_size(exc)
-                if not out_of_memory:
-                    error = exc
             what = f"find_executable_batch_size({function.__name__}, batch_size={batch_size})"
-            comm.agree(error, what)
+            with agreement(comm, what):
+                try:
+                    result = function(batch_size, *args, **kwargs)
+                except Exception as exc:
+                    if not should_reduce_batch_size(exc):
+                        raise
+                    out_of_memory = True
             retry = comm.allreduce(int(out_of_memory), "max", what)
             if not retry:
                 return result

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from . import _env
+from . import _env, lifecycle
+from .errors import MpaccelRuntimeWarning, with_hint
 
 DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
 
@@ -85,20 +85,24 @@ def requeue(env: _env.Snapshot | None = None) -> bool:
     been submitted with --requeue (or JobRequeue=1). Returns whether Slurm accepted."""
     job = job_id_for_requeue(env)
     if job is None:
-        warnings.warn("not in a Slurm job: nothing to requeue", RuntimeWarning, stacklevel=2)
+        warnings.warn("not in a Slurm job: nothing to requeue", MpaccelRuntimeWarning, stacklevel=2)
         return False
     try:
         result = subprocess.run(
             ["scontrol", "requeue", job], capture_output=True, text=True, timeout=60
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        warnings.warn(f"scontrol requeue {job} failed: {exc}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"scontrol requeue {job} failed: {exc}", MpaccelRuntimeWarning, stacklevel=2)
         return False
     if result.returncode != 0:
         warnings.warn(
-            f"scontrol requeue {job} failed: {result.stderr.strip()}. HINT: submit the job "
-            "with `#SBATCH --requeue`; the checkpoint was written, so resubmitting resumes.",
-            RuntimeWarning,
+            with_hint(
+                f"scontrol requeue {job} failed: {result.stderr.strip()}.",
+                "submit the job with `#SBATCH --requeue`; the checkpoint was written, so "
+                "resubmitting resumes.",
+                " ",
+            ),
+            MpaccelRuntimeWarning,
             stacklevel=2,
         )
         return False
@@ -111,7 +115,5 @@ def restart_count(env: _env.Snapshot | None = None) -> int:
 
 
 def exit_cleanly(code: int = 0) -> None:
-    """Flush and leave: SystemExit lets MPI finalise normally on every rank."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    raise SystemExit(code)
+    """Flush and leave: SystemExit lets MPI finalise normally on every rank (lifecycle)."""
+    lifecycle.end_job(code)
