@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: lint, then the same tests at size 1 and under a real
-# mpiexec -n 1, -n 2 and -n 4 (MPICH from the pip wheel), then Open MPI runs at -n 2 and -n 4. Every stage has a
-# timeout, so a deadlock fails fast. pytest's exit code 5 ("no tests ran") is reported as its own
-# failure, never as a pass. Ends with one summary line: "ci: N passed, N failed, N skipped".
+# mpiexec -n 1, -n 2 and -n 4 (MPICH from the pip wheel), then Open MPI runs at -n 2 and -n 4.
+# Markers alone decide which stage runs a test (pyproject.toml; docs/testing.md, "Which stage
+# runs what"): `launches` only in the plain size-1 pass, `openmpi` also under Open MPI. Every
+# stage has a timeout, so a deadlock fails fast. pytest's exit code 5 ("no tests ran") is
+# reported as its own failure, never as a pass. Ends with one summary line: "ci: N passed, N
+# failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 MPIEXEC=$VENV/bin/mpiexec
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-1200}
+# pytest-xdist workers for the size-1 pass (all but the Slurm tests), whose tests mostly wait
+# for the jobs they start (0: one process).
+SIZE1_WORKERS=${SIZE1_WORKERS:-2}
+# mpiexec cannot portably be nested inside a rank, and a python started by a test inherits the
+# launcher's variables: tests that start jobs of their own run only in the size-1 pass.
+UNDER_A_LAUNCHER="not launches"
 REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
 status=0
@@ -34,7 +43,27 @@ pytest_stage() {  # name, launcher words..., -- pytest args...
   local launcher=()
   while [ "$1" != "--" ]; do launcher+=("$1"); shift; done; shift
   run_stage "$name" "${launcher[@]}" "$PY" -m pytest -q -p no:cacheprovider \
-    --junitxml="$REPORTS/$name.xml" "$@"
+    --junitxml="$REPORTS/$name.xml" --durations=40 "$@"
+}
+
+background=()
+beside() {  # name, then pytest_stage's arguments: start that stage, run the next ones beside it
+  local name=$1
+  (failed_stages=(); pytest_stage "$@"; echo "${failed_stages[*]:-}" >"$REPORTS/$name.failed") \
+    >"$REPORTS/$name.log" 2>&1 &
+  background+=("$name:$!")
+}
+
+join_beside() {  # wait for the stages started by `beside`, print their output, count their result
+  local entry name failed
+  for entry in "${background[@]}"; do
+    name=${entry%%:*}
+    wait "${entry#*:}"
+    cat "$REPORTS/$name.log"
+    failed=$(cat "$REPORTS/$name.failed" 2>/dev/null || echo "$name(no result)")
+    if [ -n "$failed" ]; then status=1; failed_stages+=($failed); fi
+  done
+  background=()
 }
 
 run_stage ruff "$VENV/bin/ruff" check .
@@ -43,26 +72,26 @@ run_stage mypy "$VENV/bin/mypy" mpaccel
 if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
   run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
 fi
-pytest_stage size-1 -- tests
-# mpiexec -n 1: a real MPI world of one (not a singleton); the suites that launch jobs of their
-# own are left to the size-1 pass, since mpiexec cannot portably be nested inside a rank.
-pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- tests/test_process_control.py tests/test_comm.py tests/test_training.py \
-  tests/test_checkpoint.py tests/test_checkpoint_sink.py tests/test_checkpoint_format.py \
-  tests/test_data.py tests/test_device.py \
-  tests/test_spec_examples.py tests/test_discovery.py tests/test_distributed.py tests/test_env.py
-pytest_stage mpich-n2 "$MPIEXEC" -n 2 -- tests
-pytest_stage mpich-n4 "$MPIEXEC" -n 4 -- tests
+# Several tests at a time: the slowest wait (for a deadline, the Slurm scheduler, a job's
+# timeout) far longer than they compute. The Slurm tests share one cluster: they run in a
+# process of their own, one at a time, beside the others (run by pytest-xdist workers).
+beside size-1-slurm -- -m slurm tests
+pytest_stage size-1 -- -n "$SIZE1_WORKERS" -m "not slurm" tests
+join_beside
+# mpiexec -n 1: a real MPI world of one (not a singleton).
+pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- -m "$UNDER_A_LAUNCHER" tests
+pytest_stage mpich-n2 "$MPIEXEC" -n 2 -- -m "$UNDER_A_LAUNCHER" tests
+pytest_stage mpich-n4 "$MPIEXEC" -n 4 -- -m "$UNDER_A_LAUNCHER" tests
 if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
   if [ -x "$VENV-openmpi/bin/mpiexec" ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
     run_stage openmpi-example "$VENV-openmpi/bin/mpiexec" --oversubscribe -n 4 \
       "$VENV-openmpi/bin/python" examples/process_control.py
     PY=$VENV-openmpi/bin/python pytest_stage openmpi-n2 "$VENV-openmpi/bin/mpiexec" \
-      --oversubscribe -n 2 -- tests/test_process_control.py tests/test_comm.py tests/test_training.py \
-      tests/test_checkpoint.py
+      --oversubscribe -n 2 -- -m "openmpi and $UNDER_A_LAUNCHER" tests
     # 4 ranks on 2 cores: where Open MPI 5's own OMPI_COMM_WORLD_LOCAL_RANK came out 0,2,1,3
     PY=$VENV-openmpi/bin/python pytest_stage openmpi-n4 "$VENV-openmpi/bin/mpiexec" \
-      --oversubscribe -n 4 -- tests/test_process_control.py tests/test_comm.py tests/test_device.py
+      --oversubscribe -n 4 -- -m "openmpi and $UNDER_A_LAUNCHER" tests
   fi
 fi
 

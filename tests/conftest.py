@@ -1,8 +1,37 @@
-"""Every test starts, and leaves, with no mpaccel shared state (discovery is kept)."""
+"""Every test starts, and leaves, with no mpaccel shared state (discovery is kept).
+
+Markers (pyproject.toml) decide which CI stage runs a test: docs/testing.md, "Which stage runs
+what"."""
+
+import os
 
 import pytest
 
 from mpaccel.testing import reset_state
+
+# What pytest-xdist adds to a worker's environment (its id, the number of workers, the run's id).
+_XDIST_VARIABLES = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
+
+def pytest_configure(config):
+    # The jobs a test starts (mpiexec, srun, sbatch) get the environment of a plain `pytest`
+    # run, however many workers run the tests: the environment's size alone once decided
+    # whether MPI_Init hit the MPICH/Slurm pmi2 bug (docs/slurm.md, tests/test_slurm.py).
+    for name in _XDIST_VARIABLES:
+        os.environ.pop(name, None)
+
+
+def pytest_runtest_setup(item):
+    # Each worker would start the one Slurm cluster for its share of these tests, and stop it
+    # under the others' running jobs (seen: jobs CANCELLED, steps Terminated).
+    workers = getattr(item.config, "workerinput", {}).get("workercount", 1)
+    if workers > 1 and item.get_closest_marker("slurm"):
+        pytest.fail(
+            f"the Slurm tests share one cluster and cannot be spread over {workers} pytest-xdist "
+            "workers: run them in one process, `python -m pytest -m slurm tests` (and the others "
+            'with `-n N -m "not slurm"`), as scripts/test-matrix.sh does',
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)

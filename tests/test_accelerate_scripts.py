@@ -17,7 +17,7 @@ from accelerate_shim.calls import CALLS, PER_RANK_DIRECTORY_REASON, SPLIT_TENSOR
 from mpaccel import _env
 from mpaccel.testing import run_mpi
 
-pytestmark = pytest.mark.mpi(size=1)  # each test starts its own mpiexec
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]  # each test starts its own mpiexec
 RUN = pathlib.Path(__file__).resolve().parent / "accelerate_shim" / "run.py"
 TIMEOUT = 240  # below the plugin's per-test deadline (300 s), which would dump stacks
 

@@ -16,7 +16,7 @@ import pytest
 from mpaccel import _env
 from mpaccel.testing import run_mpi
 
-pytestmark = pytest.mark.mpi(size=1)  # each test starts its own mpiexec
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]  # each test starts its own mpiexec
 BY_FEATURE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "by_feature"
 TIMEOUT = 180
 

@@ -20,6 +20,9 @@ from mpaccel.checkpoint.format import flatten, parse_size, unflatten
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedDataParallelKwargs, ProjectConfiguration
 
+# Also run under Open MPI's mpiexec (docs/testing.md, "Which stage runs what").
+pytestmark = pytest.mark.openmpi
+
 
 class Progress:
     """A custom object: registered for checkpointing."""

@@ -14,7 +14,7 @@ import torch
 
 from mpaccel import Accelerator, AcceleratorState
 
-pytestmark = pytest.mark.mpi(size=1)
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 DEADLINE = 30  # seconds any command may take
 
 

@@ -27,7 +27,7 @@ from mpaccel.testing.launch import (
     wait_gone,
 )
 
-pytestmark = pytest.mark.mpi(size=1)
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 
 COMMON = """
 import sys, torch

@@ -153,6 +153,7 @@ def test_no_command_prints_help_and_exits_2(capsys):
 
 
 @pytest.mark.mpi(size=1)
+@pytest.mark.launches
 def test_env_at_size_one():
     import torch
 
@@ -165,6 +166,7 @@ def test_env_at_size_one():
 
 
 @pytest.mark.mpi(size=1)
+@pytest.mark.launches
 def test_env_under_mpiexec_prints_one_table_on_rank_zero():
     run = run_mpi(["-m", "mpaccel", "env"], n=2, timeout=120).check()
     out = run.stdout[0]
@@ -176,6 +178,7 @@ def test_env_under_mpiexec_prints_one_table_on_rank_zero():
 
 
 @pytest.mark.mpi(size=1)
+@pytest.mark.launches
 def test_env_names_the_launcher_of_the_library_not_a_leftover_one():
     # An Open MPI variable left over in hydra's ranks: the report said "Open MPI mpirun, 4",
     # while its own warning (and PartialState) said hydra started 2.
@@ -187,6 +190,7 @@ def test_env_names_the_launcher_of_the_library_not_a_leftover_one():
 
 
 @pytest.mark.mpi(size=1)
+@pytest.mark.launches
 def test_launch_mistake_is_reported_with_exit_1():
     # The Open MPI launcher says 4 processes; mpi4py loads MPICH, which sees a world of 1.
     run = _python_m_mpaccel("env", extra_env={"OMPI_COMM_WORLD_SIZE": "4"})
@@ -198,6 +202,7 @@ def test_launch_mistake_is_reported_with_exit_1():
 
 
 @pytest.mark.mpi(size=1)
+@pytest.mark.launches
 def test_pmix_launch_of_mpich_is_reported_not_aborted():
     # What Open MPI's mpirun gives each process (measured): mpi4py loading the pip MPICH there
     # must not reach MPI_Init (it aborts with "unsupported PMI version PMIx", no report at all).
@@ -212,6 +217,7 @@ def test_pmix_launch_of_mpich_is_reported_not_aborted():
 
 
 @pytest.mark.mpi(size=1)
+@pytest.mark.launches
 def test_unloadable_mpi_library_is_reported():
     # With no launcher, a job without MPI still runs as one process: the report says why MPI
     # is missing, and the launch itself is not a problem.
@@ -289,6 +295,7 @@ def test_rendered_templates_are_valid_bash(tmp_path, capsys):
 
 
 @pytest.mark.mpi(size=1)
+@pytest.mark.launches
 def test_the_wheel_ships_the_templates_and_the_example(tmp_path):
     # `pip install mpaccel` must bring what `mpaccel slurm template` prints and what it runs.
     # Built from a copy: setuptools leaves build/ and *.egg-info in the tree it builds.

@@ -9,6 +9,8 @@ import pytest
 from mpaccel import CollectiveError
 from mpaccel.comm import agreement
 
+pytestmark = pytest.mark.openmpi
+
 
 def test_agree_names_every_failing_rank(state, comm):
     error = RuntimeError(f"bad {comm.rank}") if comm.rank % 2 else None

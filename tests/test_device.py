@@ -12,6 +12,9 @@ from mpaccel import PartialState, device
 from mpaccel.errors import LaunchError
 from mpaccel.testing import reset_state
 
+# Also run under Open MPI's mpiexec (docs/testing.md, "Which stage runs what").
+pytestmark = pytest.mark.openmpi
+
 
 @pytest.mark.parametrize(
     "cpu, cuda, count, local_index, local_size, expected",

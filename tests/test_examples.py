@@ -12,7 +12,7 @@ import pytest
 from mpaccel import _env
 from mpaccel.testing import run_mpi
 
-pytestmark = pytest.mark.mpi(size=1)
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 

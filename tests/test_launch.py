@@ -16,7 +16,7 @@ from mpaccel import _env
 from mpaccel.testing import launch, run_mpi
 
 # Launching mpiexec from inside an MPI rank is not portable: these run in the size-1 pass only.
-pytestmark = pytest.mark.mpi(size=1)
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 
 
 def _script(tmp_path, body: str):

@@ -12,7 +12,7 @@ import pytest
 from mpaccel import _env
 
 # Each test ends a Python process of its own: once, in the size-1 pass.
-pytestmark = pytest.mark.mpi(size=1)
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 
 
 def _python(body: str) -> subprocess.CompletedProcess[str]:

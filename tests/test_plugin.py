@@ -13,7 +13,7 @@ import pytest
 from mpaccel import _env
 from mpaccel.testing import run_mpi
 
-pytestmark = pytest.mark.mpi(size=1)
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 
 
 def _run_pytest(tmp_path, body: str, n: int, *args: str, timeout: float = 180, env=None):

@@ -26,6 +26,9 @@ from mpaccel.split import share_bounds
 from mpaccel.state import PartialState as PartialStateFromModule
 from mpaccel.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, gather_object
 
+# Also run under Open MPI's mpiexec (docs/testing.md, "Which stage runs what").
+pytestmark = pytest.mark.openmpi
+
 
 def test_module_paths_are_accelerates():
     assert PartialStateFromModule is PartialState

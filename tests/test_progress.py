@@ -133,6 +133,7 @@ def _in_terminal(argv, env, columns=100, timeout=120) -> str:
 
 
 @pytest.mark.mpi(size=1)
+@pytest.mark.launches
 def test_a_live_bar_reaches_the_terminal_of_mpiexec(tmp_path):
     (tmp_path / "bar.py").write_text(SCRIPT)
     text = _in_terminal(*_launch(2, tmp_path / "bar.py"), columns=100)
@@ -144,6 +145,7 @@ def test_a_live_bar_reaches_the_terminal_of_mpiexec(tmp_path):
 
 
 @pytest.mark.mpi(size=1)
+@pytest.mark.launches
 def test_plain_lines_when_mpiexec_writes_to_a_pipe(tmp_path):
     (tmp_path / "bar.py").write_text(SCRIPT)
     argv, env = _launch(2, tmp_path / "bar.py")

@@ -16,7 +16,7 @@ import pytest
 
 from mpaccel import _env
 
-pytestmark = [pytest.mark.mpi(size=1), pytest.mark.slow]
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.slow, pytest.mark.launches, pytest.mark.slurm]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "slurm" / "cluster.sh"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

@@ -22,6 +22,9 @@ from mpaccel.utils import (
     GradScalerKwargs,
 )
 
+# Also run under Open MPI's mpiexec (docs/testing.md, "Which stage runs what").
+pytestmark = pytest.mark.openmpi
+
 GLOBAL_BATCH = 16
 
 
