@@ -97,3 +97,28 @@ def test_refused_marks_without_changing_the_object():
     marked = refused("no", "use the other one")(profile_memory)
     assert marked is profile_memory
     assert getattr(marked, REFUSED) == ("no", "use the other one")
+
+
+def test_the_check_names_a_missing_name_without_a_note_and_a_stale_note(monkeypatch):
+    """The rules of --check on rows made up here (no Accelerate needed)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import compat_notes
+    import compat_table
+
+    monkeypatch.setattr(compat_notes, "ABSENT", {"accelerate.utils.gone": "why; instead"})
+    monkeypatch.setattr(compat_notes, "MISSING", {"Accelerator.later": "not yet"})
+    monkeypatch.setattr(compat_notes, "DIFFERS", {})
+    rows = [
+        compat_table.classify("accelerate.utils", "gone", None, None, found=False),
+        compat_table.classify("Accelerator", "later", None, None, found=False),
+        compat_table.classify("Accelerator", "forgotten", None, None, found=False),
+    ]
+    assert [row.status for row in rows] == ["absent", "missing", "missing"]
+    assert compat_table.note_problems(rows) == [
+        "Accelerator.forgotten: missing, and neither in compat_notes.ABSENT nor in "
+        "compat_notes.MISSING (add it, refuse it, or say why it is absent)"
+    ]
+    rows[0] = compat_table.Row("accelerate.utils", "gone", "supported", "")
+    assert compat_table.note_problems(rows)[1] == (
+        "accelerate.utils.gone: noted as absent but supported"
+    )
