@@ -9,6 +9,7 @@ Slurm's compressed lists are counted, never expanded, before they are accepted.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -115,6 +116,28 @@ class Choice(Kind):
         if lowered not in self.choices:
             raise ValueError(text)
         return lowered
+
+
+@dataclass(frozen=True)
+class JsonObject(Kind):
+    """A JSON object, `{"key": "value", ...}`, of at most `limit` characters (json.loads of a
+    bounded text: deep nesting is refused, not a RecursionError)."""
+
+    limit: int = 65536
+
+    def accepted(self) -> str:
+        return 'a JSON object ({"key": "value", ...})'
+
+    def parse(self, text: str) -> dict[str, Any]:
+        if len(text) > self.limit:
+            raise ValueError(text)
+        try:
+            value = json.loads(text)  # a JSONDecodeError is a ValueError
+        except RecursionError:
+            raise ValueError(text) from None
+        if not isinstance(value, dict):
+            raise ValueError(text)
+        return value
 
 
 _RUN = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?", re.ASCII)
@@ -264,6 +287,14 @@ VARIABLES: dict[str, Variable] = {
     # Devices: only whether they are set matters (OMP_NUM_THREADS may be a list, "4,2").
     "cuda_visible_devices": _var(TEXT, "CUDA_VISIBLE_DEVICES"),
     "omp_num_threads": _var(TEXT, "OMP_NUM_THREADS"),
+    # Experiment trackers: the variables Accelerate's MLflow and ClearML trackers read, which
+    # take precedence over the arguments, as there (docs/tracking.md).
+    "mlflow_experiment_name": _var(TEXT, "MLFLOW_EXPERIMENT_NAME"),
+    "mlflow_run_id": _var(TEXT, "MLFLOW_RUN_ID"),
+    "mlflow_tags": _var(JsonObject(), "MLFLOW_TAGS"),
+    "mlflow_nested_run": _var(FLAG, "MLFLOW_NESTED_RUN"),
+    "clearml_project": _var(TEXT, "CLEARML_PROJECT"),
+    "clearml_task": _var(TEXT, "CLEARML_TASK"),
     # mpaccel's own knobs (docs/launching.md).
     "timeout": _var(Number(0.0, YEAR, "seconds", open_low=True), "MPACCEL_TIMEOUT"),
     "master_addr": _var(TEXT, "MPACCEL_MASTER_ADDR"),
@@ -372,6 +403,11 @@ def get_choice(logical: str, env: Mapping[str, str] | None = None) -> str | None
     return value
 
 
+def get_json(logical: str, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    value: dict[str, Any] | None = _typed(logical, env, JsonObject)
+    return value
+
+
 def get_runs(logical: str, env: Mapping[str, str] | None = None) -> tuple[tuple[int, int], ...]:
     """Slurm's per-node counts as (count, repeat) runs; () when unset."""
     value: tuple[tuple[int, int], ...] | None = _typed(logical, env, PerNode)
@@ -411,6 +447,8 @@ def _bad_value(name: str, text: str, accepted: str) -> Exception:
 
     if name.startswith(("MPACCEL_", "ACCELERATE_")):
         hint = f"set {name} to such a value, or unset it (docs/launching.md lists the variables)."
+    elif name.startswith(("MLFLOW_", "CLEARML_")):
+        hint = f"set {name} to such a value, or unset it (docs/tracking.md)."
     else:
         hint = (
             f"fix or unset {name}; launchers and Slurm set their variables themselves, so a "

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, refused
 
 
 class _NamesMeta(enum.EnumMeta):
@@ -487,11 +487,16 @@ class _Refused:
     _engine = ""
     _hint = ""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refused(cls._message(), cls._hint)(cls)  # what __init__ raises, for docs/compatibility.md
+
+    @classmethod
+    def _message(cls) -> str:
+        return f"mpaccel does not drive {cls._engine}: {cls.__name__}(...) cannot be used"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise ConfigurationError(
-            f"mpaccel does not drive {self._engine}: {type(self).__name__}(...) cannot be used",
-            self._hint,
-        )
+        raise ConfigurationError(self._message(), self._hint)
 
 
 _DDP_INSTEAD = (

@@ -3,7 +3,8 @@ act on, written by with_hint()."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 
 def with_hint(message: str, hint: str | None, separator: str = "\n") -> str:
@@ -11,6 +12,26 @@ def with_hint(message: str, hint: str | None, separator: str = "\n") -> str:
     mpaccel writes a HINT. Errors give it a line of its own; warnings, which are one line,
     pass separator=" "."""
     return message if hint is None else f"{message}{separator}HINT: {hint}"
+
+
+# The attribute on an Accelerate name mpaccel keeps importable but refuses to use (set by
+# refused()): (message, hint), what using it raises. scripts/compat_table.py reads it to list
+# the name as refused in docs/compatibility.md.
+REFUSED = "__mpaccel_refused__"
+
+_T = TypeVar("_T")
+
+
+def refused(message: str, hint: str) -> Callable[[_T], _T]:
+    """Decorator marking a class, function or property getter as one of Accelerate's names that
+    mpaccel has only to refuse it: using it must raise ConfigurationError(message, hint). The
+    marker states that refusal for the compatibility table; the object still raises it itself."""
+
+    def mark(obj: _T) -> _T:
+        setattr(obj, REFUSED, (message, hint))
+        return obj
+
+    return mark
 
 
 class MpaccelWarning(UserWarning):

@@ -73,7 +73,12 @@ def _params(signature: inspect.Signature) -> list[inspect.Parameter]:
 
 
 def _default(p: inspect.Parameter) -> str:
-    return "" if p.default is inspect.Parameter.empty else repr(p.default)
+    if p.default is inspect.Parameter.empty:
+        return ""
+    if inspect.isfunction(p.default) or inspect.isclass(p.default):
+        # each package's own is_torch_tensor: the same default when it has the same name
+        return p.default.__qualname__
+    return repr(p.default)
 
 
 def compare(theirs: Any, ours: Any) -> str:

@@ -482,3 +482,101 @@ def test_get_tracker_without_running_trackers_is_blank_everywhere(comm):
     acc.init_trackers("run")
     assert type(acc.get_tracker("wandb", unwrap=True)) is GeneralTracker
     acc.end_training()
+
+
+# -- the variables Accelerate's trackers read (mpaccel._env's tracker rows) -------------------
+
+
+def test_mlflow_variables_take_precedence_over_the_arguments(comm, mpi_tmp_path, monkeypatch):
+    """MLFLOW_EXPERIMENT_NAME, MLFLOW_TAGS and MLFLOW_NESTED_RUN over init_kwargs, as in
+    Accelerate: the run lands in the variable's experiment, with its tags, nested in the run
+    the script already has open."""
+    _needs("mlflow")
+    import mlflow
+    from mlflow import MlflowClient
+
+    _mlflow_setup(monkeypatch, mpi_tmp_path)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    monkeypatch.setenv("MLFLOW_TAGS", '{"team": "env", "stage": "1"}')
+    monkeypatch.setenv("MLFLOW_NESTED_RUN", "true")
+    acc = _fresh(log_with="mlflow")
+    parent = mlflow.start_run(run_name="sweep") if acc.is_main_process else None
+    try:
+        acc.init_trackers("proj", init_kwargs={"mlflow": {"tags": {"team": "argument"},
+                                                          "nested_run": False}})
+        acc.log({"loss": 0.5}, step=1)
+        acc.end_training()
+    finally:
+        if parent is not None:
+            mlflow.end_run()
+    if acc.is_main_process:
+        client = MlflowClient(tracking_uri=_mlflow_uri(mpi_tmp_path))
+        assert client.get_experiment_by_name("proj") is None
+        experiment = client.get_experiment_by_name("from-env")
+        runs = client.search_runs([experiment.experiment_id], "tags.team = 'env'")
+        (run,) = runs
+        assert run.data.tags["stage"] == "1" and run.data.metrics == {"loss": 0.5}
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+
+
+def test_mlflow_run_id_resumes_that_run_whatever_the_argument(comm, mpi_tmp_path, monkeypatch):
+    _needs("mlflow")
+    from mlflow import MlflowClient
+
+    _mlflow_setup(monkeypatch, mpi_tmp_path)
+    acc = _fresh(log_with="mlflow")
+    if acc.is_main_process:
+        client = MlflowClient(tracking_uri=_mlflow_uri(mpi_tmp_path))
+        earlier = client.create_run(client.create_experiment("proj")).info.run_id
+        client.set_terminated(earlier)
+        monkeypatch.setenv("MLFLOW_RUN_ID", earlier)
+    acc.init_trackers("proj", init_kwargs={"mlflow": {"run_id": "0" * 32}})
+    acc.log({"loss": 0.25}, step=2)
+    acc.end_training()
+    if acc.is_main_process:
+        (run,) = _mlflow_runs(mpi_tmp_path)
+        assert run.info.run_id == earlier and run.data.metrics == {"loss": 0.25}
+
+
+def test_mlflow_tags_as_json_text_and_flags_as_booleans(monkeypatch):
+    """What the tracker makes of the variables and of a JSON string argument; MLflow itself
+    is not needed to build the tracker (it is imported by start())."""
+    monkeypatch.delenv("MLFLOW_TAGS", raising=False)
+    monkeypatch.delenv("MLFLOW_NESTED_RUN", raising=False)
+    tracker = tracking.MLflowTracker("proj", tags='{"a": "b"}', nested_run=True)
+    assert tracker.tags == {"a": "b"} and tracker.nested_run is True
+    monkeypatch.setenv("MLFLOW_NESTED_RUN", "false")  # Accelerate would nest: "false" is text
+    monkeypatch.setenv("MLFLOW_TAGS", '{"x": 1}')
+    tracker = tracking.MLflowTracker("proj", tags={"a": "b"}, nested_run=True)
+    assert tracker.tags == {"x": 1} and tracker.nested_run is False
+    with pytest.raises(ConfigurationError, match=r"tags='\[1\]'.*not a JSON object"):
+        monkeypatch.delenv("MLFLOW_TAGS")
+        tracking.MLflowTracker("proj", tags="[1]")
+
+
+@pytest.mark.parametrize("value", ["{oops", "[1, 2]", '"text"', "[" * 60_000, "{" * 70_000])
+def test_a_bad_mlflow_tags_variable_is_refused_at_start_up_by_name(value):
+    from mpaccel import _env
+
+    with pytest.raises(ConfigurationError, match=r"^environment variable MLFLOW_TAGS=.* is not "
+                       r"a JSON object.*\nHINT: set MLFLOW_TAGS .*docs/tracking.md") as caught:
+        _env.check({"MLFLOW_TAGS": value})
+    assert len(str(caught.value)) < 600  # a long value is quoted shortened
+    with pytest.raises(ConfigurationError, match="MLFLOW_NESTED_RUN='sometimes' is not a boolean"):
+        _env.check({"MLFLOW_NESTED_RUN": "sometimes"})
+
+
+def test_clearml_names_come_from_kwargs_then_variables_then_run_name(monkeypatch):
+    """ClearML's package is not installed here: this checks the arguments start() gives
+    Task.init, not ClearML itself."""
+    monkeypatch.delenv("CLEARML_PROJECT", raising=False)
+    monkeypatch.delenv("CLEARML_TASK", raising=False)
+    tracker = tracking.ClearMLTracker("run", tags=["t"])
+    assert tracker.task_arguments() == {"project_name": "run", "task_name": "run", "tags": ["t"]}
+    monkeypatch.setenv("CLEARML_PROJECT", "project-env")
+    monkeypatch.setenv("CLEARML_TASK", "task-env")
+    assert tracker.task_arguments() == {
+        "project_name": "project-env", "task_name": "task-env", "tags": ["t"]
+    }
+    tracker = tracking.ClearMLTracker("run", task_name="task-kwarg")
+    assert tracker.task_arguments() == {"project_name": "project-env", "task_name": "task-kwarg"}

@@ -9,6 +9,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .. import _env
+from ..errors import ConfigurationError
 from .base import GeneralTracker, number, numbers_only, on_main_process, skipped
 
 
@@ -106,10 +108,25 @@ class TrackioTracker(_RunTracker):
     module = "trackio"
 
 
+def _tags(tags: Mapping[str, Any] | str | None) -> dict[str, Any] | None:
+    """MLflow tags as a dict: a string is decoded as a JSON object, as Accelerate does."""
+    if not isinstance(tags, str):
+        return None if tags is None else dict(tags)
+    try:
+        return _env.JsonObject().parse(tags)
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"MLflowTracker(tags={tags!r}): the text is not a JSON object",
+            'pass a dict, or a JSON object as text: tags=\'{"team": "nlp"}\'.',
+        ) from exc
+
+
 class MLflowTracker(GeneralTracker):
-    """An MLflow run in the experiment `experiment_name` (MLFLOW_EXPERIMENT_NAME first, as in
-    Accelerate; created with `logging_dir` as its artifact location if new). The store is
-    MLflow's own setting (MLFLOW_TRACKING_URI; MLFLOW_RUN_ID resumes a run)."""
+    """An MLflow run in the experiment `experiment_name` (created with `logging_dir` as its
+    artifact location if new). As in Accelerate, MLFLOW_EXPERIMENT_NAME, MLFLOW_RUN_ID (resume
+    that run), MLFLOW_TAGS (a JSON object) and MLFLOW_NESTED_RUN (a boolean) take precedence
+    over the arguments; `tags` may be a JSON string too. The store is MLflow's own setting
+    (MLFLOW_TRACKING_URI)."""
 
     name = "mlflow"
     requires_logging_directory = False
@@ -125,39 +142,33 @@ class MLflowTracker(GeneralTracker):
         description: str | None = None,
     ) -> None:
         super().__init__()
-        self.experiment_name = experiment_name
+        self.experiment_name = _env.get("mlflow_experiment_name") or experiment_name
         self.logging_dir = None if logging_dir is None else os.fspath(logging_dir)
-        self.run_id = run_id
-        self.tags = tags
-        self.nested_run = nested_run
+        self.run_id = _env.get("mlflow_run_id") or run_id
+        from_env = _env.get_json("mlflow_tags")
+        self.tags = from_env if from_env is not None else _tags(tags)
+        self.nested_run = _env.get_bool("mlflow_nested_run", bool(nested_run))
         self.run_name = run_name
         self.description = description
         self.active_run: Any = None
 
     @on_main_process
     def start(self) -> None:
-        import json
-
         import mlflow
-        from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME
 
-        self.experiment_name = MLFLOW_EXPERIMENT_NAME.get() or self.experiment_name
-        tags: dict[str, Any] | None = (
-            json.loads(self.tags) if isinstance(self.tags, str) else self.tags
-        )
         found = mlflow.search_experiments(filter_string=f"name = '{self.experiment_name}'")
         if found:
             experiment_id = found[0].experiment_id
         else:
             experiment_id = mlflow.create_experiment(
-                name=str(self.experiment_name), artifact_location=self.logging_dir, tags=tags
+                name=str(self.experiment_name), artifact_location=self.logging_dir, tags=self.tags
             )
         self.active_run = mlflow.start_run(
             run_id=self.run_id,
             experiment_id=experiment_id,
             run_name=self.run_name,
-            nested=bool(self.nested_run),
-            tags=tags,
+            nested=self.nested_run,
+            tags=self.tags,
             description=self.description,
         )
 
@@ -264,8 +275,9 @@ class CometMLTracker(GeneralTracker):
 
 
 class ClearMLTracker(GeneralTracker):
-    """A ClearML task, `Task.init(project_name=run_name, task_name=run_name, **kwargs)`, or
-    the task already running (then `finish` leaves it open)."""
+    """A ClearML task, `Task.init(project_name=..., task_name=..., **kwargs)`, or the task
+    already running (then `finish` leaves it open). As in Accelerate, each name is the one in
+    `kwargs`, else CLEARML_PROJECT / CLEARML_TASK, else `run_name`."""
 
     name = "clearml"
     requires_logging_directory = False
@@ -286,10 +298,15 @@ class ClearMLTracker(GeneralTracker):
             self._initialized_externally = True
             self.task = current
             return
+        self.task = Task.init(**self.task_arguments())
+
+    def task_arguments(self) -> dict[str, Any]:
+        """The keyword arguments `start()` gives `Task.init` when no task is running."""
         arguments = dict(self.init_kwargs)
-        arguments.setdefault("project_name", self.user_provided_run_name)
-        arguments.setdefault("task_name", self.user_provided_run_name)
-        self.task = Task.init(**arguments)
+        name = self.user_provided_run_name
+        arguments.setdefault("project_name", _env.get("clearml_project") or name)
+        arguments.setdefault("task_name", _env.get("clearml_task") or name)
+        return arguments
 
     @property
     def tracker(self) -> Any:
