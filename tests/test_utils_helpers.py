@@ -285,3 +285,26 @@ def test_compile_regions_without_repeated_blocks_compiles_the_whole_model():
     assert compiled._orig_mod is model and has_compiled_regions(compiled)
     assert extract_model_from_parallel(compiled, keep_torch_compile=False) is model
     assert not has_compiled_regions(torch.nn.Linear(2, 2))  # no submodules at all
+
+
+def test_a_regionally_compiled_model_trains_in_step_across_ranks(comm):
+    """prepare() wraps the regionally compiled model in DDP: the ranks' different batches give
+    the same, averaged, update on every rank."""
+    reset_state()
+    try:
+        accelerator = mpaccel.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = compile_regions(Tiny(), backend="eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        torch.manual_seed(100 + comm.rank)  # a different batch on each rank
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        weight = accelerator.unwrap_model(model).body[0][1]._orig_mod.linear.weight
+        rows = comm.allgather(weight.detach().flatten().tolist())
+        assert all(row == rows[0] for row in rows)
+        torch.manual_seed(0)
+        assert weight.tolist() != Tiny().body[0][1].linear.weight.tolist()  # it did move
+    finally:
+        reset_state()
