@@ -272,7 +272,11 @@ def test_compile_regions_compiles_each_repeated_block_and_shares_the_weights():
     assert not has_compiled_regions(model) and has_compiled_regions(compiled)
     assert isinstance(model.body[0][0], Block) and isinstance(model.embed, torch.nn.Linear)
     assert [id(p) for p in compiled.parameters()] == [id(p) for p in model.parameters()]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     torch.testing.assert_close(compiled(x), expected)
+    # the three blocks share one graph (the compiler's cache): embed, a block, head
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
     compiled(x).sum().backward()
     assert model.body[0][2].linear.weight.grad is not None
 
@@ -308,3 +312,13 @@ def test_a_regionally_compiled_model_trains_in_step_across_ranks(comm):
         assert weight.tolist() != Tiny().body[0][1].linear.weight.tolist()  # it did move
     finally:
         reset_state()
+
+
+@local
+@pytest.mark.slow  # inductor's first C++ build: ~30 s on 2 busy cores
+def test_compile_regions_with_inductor_computes_the_same():
+    torch.manual_seed(0)
+    model = Tiny()
+    x = torch.randn(5, 3)
+    compiled = compile_regions(model)
+    torch.testing.assert_close(compiled(x), model(x))
