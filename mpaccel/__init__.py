@@ -39,6 +39,7 @@ from .utils import (
     ProfileKwargs,
     find_executable_batch_size,
     is_rich_available,
+    synchronize_rng_states,
 )
 
 __all__ = [
@@ -73,4 +74,5 @@ __all__ += [
     "ProfileKwargs",
     "find_executable_batch_size",
     "is_rich_available",
+    "synchronize_rng_states",
 ]

@@ -8,6 +8,7 @@ data-plane collective. gather() also accepts tensors whose first dimension diffe
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +18,11 @@ import torch
 from . import distributed
 from .comm import Comm
 from .errors import CollectiveMismatchError, ConfigurationError, DistributedOperationException
+
+
+class CannotPadNestedTensorWarning(UserWarning):
+    """pad_across_processes met a nested tensor: it has no one size along `dim` to pad to, so
+    it is returned as it is."""
 
 
 def _leaves(data: Any) -> list[torch.Tensor]:
@@ -85,7 +91,9 @@ Leaves = list[tuple[tuple[int, ...], str]]  # (shape, dtype) of each tensor, in 
 
 def _describe(data: Any, leaves: Leaves) -> Spec:
     if isinstance(data, torch.Tensor):
-        leaves.append((tuple(data.shape), str(data.dtype)))
+        # A nested tensor has no one size per dimension: -1 stands for each (ragged) size.
+        shape = (-1,) * data.dim() if data.is_nested else tuple(data.shape)
+        leaves.append((shape, str(data.dtype)))
         return "tensor"
     if isinstance(data, Mapping):
         return ("dict", tuple((repr(k), _describe(v, leaves)) for k, v in data.items()))
@@ -354,6 +362,14 @@ def pad_across_processes(
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
         leaf = next(counter)
+        if tensor.is_nested:
+            warnings.warn(
+                "pad_across_processes cannot pad a nested tensor (its sizes are ragged): "
+                "returned as it is",
+                CannotPadNestedTensorWarning,
+                stacklevel=4,
+            )
+            return tensor
         if not -tensor.ndim <= dim < tensor.ndim:
             return tensor  # no such dimension here (0-d, or fewer dimensions): as it is
         axis = dim % tensor.ndim

@@ -597,6 +597,12 @@ _ACCELERATOR_ATTRIBUTES = _PARTIAL_ATTRIBUTES | {
 }
 
 
+def is_initialized() -> bool:
+    """AcceleratorState exists in this process (an Accelerator or AcceleratorState was made, and
+    not reset): AcceleratorState().initialized without creating one. Not collective."""
+    return AcceleratorState._shared_state != {}
+
+
 class GradientState:
     """Gradient synchronisation state for accumulation (shared state)."""
 

@@ -155,3 +155,14 @@ def test_copy_tensor_to_devices_needs_exactly_one_holder(comm):
             copy_tensor_to_devices(torch.ones(2))
         assert f"ranks 0-{comm.size - 1} passed one" in str(info.value)
         assert comm.allgather(str(info.value)) == [str(info.value)] * comm.size
+
+
+def test_pad_across_processes_leaves_a_nested_tensor_with_a_warning(comm):
+    """A nested tensor has no one size to pad to: returned as it is, with Accelerate's
+    warning, while the other tensors are padded as usual."""
+    acc = _fresh()
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.warns(ops.CannotPadNestedTensorWarning):
+        out = acc.pad_across_processes({"n": nested, "t": torch.ones(comm.rank + 1)})
+    assert out["n"] is nested
+    assert out["t"].shape == (comm.size,)

@@ -118,6 +118,42 @@ from .operations import (
 )
 from .other import extract_model_from_parallel, is_compiled_module, wait_for_everyone
 
+# isort: split
+# -- Accelerate's helpers of operations, other, modeling and constants (h21-missing) ------------
+from .constants import (
+    PROFILE_PATTERN_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    SAFE_WEIGHTS_PATTERN_NAME,
+    TORCH_DISTRIBUTED_OPERATION_TYPES,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
+from .modeling import get_grad_scaler, get_mixed_precision_context_manager, is_peft_model
+from .operations import (
+    CannotPadNestedTensorWarning,
+    TensorInformation,
+    convert_outputs_to_fp32,
+    convert_to_fp32,
+    find_device,
+    get_data_structure,
+    ignorant_find_batch_size,
+    initialize_tensors,
+    is_tensor_information,
+    listify,
+    pad_input_tensors,
+    slice_tensors,
+)
+from .other import (
+    are_libraries_initialized,
+    compile_regions,
+    convert_bytes,
+    get_pretty_name,
+    has_compiled_regions,
+    merge_dicts,
+    recursive_getattr,
+)
+
 __all__ = [
     "AutocastKwargs",
     "DataLoaderConfiguration",
@@ -226,4 +262,35 @@ __all__ += [
     "recursively_apply",
     "release_memory",
     "wait_for_everyone",
+]
+__all__ += [
+    "PROFILE_PATTERN_NAME",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "SAFE_WEIGHTS_PATTERN_NAME",
+    "TORCH_DISTRIBUTED_OPERATION_TYPES",
+    "WEIGHTS_INDEX_NAME",
+    "WEIGHTS_NAME",
+    "CannotPadNestedTensorWarning",
+    "TensorInformation",
+    "are_libraries_initialized",
+    "compile_regions",
+    "convert_bytes",
+    "convert_outputs_to_fp32",
+    "convert_to_fp32",
+    "find_device",
+    "get_data_structure",
+    "get_grad_scaler",
+    "get_mixed_precision_context_manager",
+    "get_pretty_name",
+    "has_compiled_regions",
+    "ignorant_find_batch_size",
+    "initialize_tensors",
+    "is_peft_model",
+    "is_tensor_information",
+    "listify",
+    "merge_dicts",
+    "pad_input_tensors",
+    "recursive_getattr",
+    "slice_tensors",
 ]

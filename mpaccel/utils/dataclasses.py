@@ -26,6 +26,7 @@ from ..config import (
     TorchDynamoPlugin,
     TorchTensorParallelPlugin,
 )
+from .operations import TensorInformation
 
 __all__ = [
     "AutocastKwargs",
@@ -49,6 +50,7 @@ __all__ = [
     "ProjectConfiguration",
     "RNGType",
     "SageMakerDistributedType",
+    "TensorInformation",
     "TorchDynamoPlugin",
     "TorchTensorParallelPlugin",
 ]

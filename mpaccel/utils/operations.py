@@ -3,7 +3,9 @@ current PartialState's communicator. Each is collective: every rank must call it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,6 +13,7 @@ import torch
 from .. import ops
 from ..device import send_to_device as send_to_device
 from ..errors import DistributedOperationException as DistributedOperationException
+from ..ops import CannotPadNestedTensorWarning as CannotPadNestedTensorWarning
 
 
 def _comm() -> Any:
@@ -135,3 +138,116 @@ def concatenate(data: list[Any], dim: int = 0) -> Any:
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"can only concatenate tensors, got {type(first).__name__}")
     return torch.cat(data, dim=dim)
+
+
+# -- Accelerate's local (not collective) helpers of accelerate.utils.operations -------------------
+
+
+@dataclass
+class TensorInformation:
+    """A tensor's shape and dtype, without its data (see get_data_structure)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def is_tensor_information(tensor_info: Any) -> bool:
+    return isinstance(tensor_info, TensorInformation)
+
+
+def get_data_structure(data: Any) -> Any:
+    """`data` with each tensor replaced by its TensorInformation (shape, dtype)."""
+    return recursively_apply(lambda t: TensorInformation(shape=t.shape, dtype=t.dtype), data)
+
+
+def initialize_tensors(data_structure: Any) -> Any:
+    """The inverse of get_data_structure: each TensorInformation replaced by an uninitialised
+    CPU tensor (torch.empty) of that shape and dtype."""
+    return recursively_apply(
+        lambda info: torch.empty(tuple(info.shape), dtype=info.dtype),
+        data_structure,
+        test_type=is_tensor_information,
+    )
+
+
+def slice_tensors(
+    data: Any, tensor_slice: Any, process_index: int | None = None,
+    num_processes: int | None = None,
+) -> Any:
+    """`data` with each tensor indexed by `tensor_slice` (`tensor[tensor_slice]`).
+    `process_index` and `num_processes` are accepted, as Accelerate does, and unused."""
+    del process_index, num_processes
+    return recursively_apply(lambda t: t[tensor_slice], data)
+
+
+def ignorant_find_batch_size(data: Any) -> int | None:
+    """find_batch_size(data), or None where it finds no tensor (or an empty container)."""
+    try:
+        return find_batch_size(data)
+    except (ValueError, TypeError):
+        return None
+
+
+def listify(data: Any) -> Any:
+    """`data` with each tensor replaced by `tensor.tolist()` (nested lists of Python numbers),
+    taken on the CPU; bfloat16 goes through float32, which numpy cannot do without."""
+
+    def as_list(tensor: torch.Tensor) -> Any:
+        tensor = tensor.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.float()
+        return tensor.tolist()
+
+    return recursively_apply(as_list, data)
+
+
+def _is_half(tensor: Any) -> bool:
+    return getattr(tensor, "dtype", None) in (torch.float16, torch.bfloat16)
+
+
+def convert_to_fp32(tensor: Any) -> Any:
+    """`tensor` (a nested structure) with each float16 or bfloat16 tensor converted to float32;
+    other leaves are kept."""
+    return recursively_apply(lambda t: t.float(), tensor, test_type=_is_half)
+
+
+def convert_outputs_to_fp32(model_forward: Any) -> Any:
+    """`model_forward` whose outputs go through convert_to_fp32. The original is the result's
+    `__wrapped__`, for code that unwraps decorated forwards."""
+
+    @functools.wraps(model_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return convert_to_fp32(model_forward(*args, **kwargs))
+
+    return forward
+
+
+def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+    """Each tensor of `tensor` grown along `dim` from `batch_size` to the next multiple of
+    `num_processes` (a size that already divides is kept), the new rows zeros, so that the
+    batch splits evenly between the processes. Not collective."""
+    target = -(-batch_size // num_processes) * num_processes
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[dim] >= target:
+            return t
+        shape = list(t.shape)
+        shape[dim] = target
+        out = t.new_zeros(shape)
+        out.narrow(dim, 0, t.shape[dim]).copy_(t)
+        return out
+
+    return recursively_apply(pad, tensor, error_on_other_type=True)
+
+
+def find_device(data: Any) -> torch.device | None:
+    """The device of the first tensor found in `data` (depth first), None if it holds none."""
+    if isinstance(data, torch.Tensor):
+        return data.device
+    children = data.values() if isinstance(data, Mapping) else data
+    if isinstance(data, (Mapping, list, tuple)):
+        for child in children:
+            device = find_device(child)
+            if device is not None:
+                return device
+    return None
