@@ -16,6 +16,7 @@ With `async_save`, steps 2-4 run on a thread of their own, on a copy of the loca
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import math
 import os
@@ -138,11 +139,13 @@ class LocalState:
     arrays: dict[str, np.ndarray]  # key -> this rank's rows (only where it is the writer)
     dtypes: dict[str, str]
     rows: dict[str, Rows]
+    stored: dict[str, np.dtype] = dataclasses.field(default_factory=dict)  # dtype in the file
+    whole: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # held whole here
 
     def snapshot(self) -> LocalState:
         """A copy of the local rows (for a save in the background)."""
         return LocalState(self.documents, {k: a.copy() for k, a in self.arrays.items()},
-                          self.dtypes, self.rows)
+                          self.dtypes, self.rows, self.stored)
 
     def layout(self) -> dict:
         return {key: (self.dtypes[key], list(self.rows[key].shape)) for key in sorted(self.rows)}
@@ -167,6 +170,9 @@ def collect_local(state: Mapping[str, Any], rank: int) -> LocalState:
             else:
                 rows = held[0]
             out.rows[key] = rows
+            out.stored[key] = array.dtype
+            if (rows.start, rows.stop) == (0, row_count(rows.shape)):
+                out.whole[key] = array
             if rows.writer and rows.stop > rows.start and array.nbytes:
                 out.arrays[key] = array
     return out
