@@ -306,3 +306,29 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(tmp
     load_sharded(NullComm(), tmp_path / "ckpt", {"model": plain.state_dict()})
     for value in plain.state_dict().values():
         assert torch.all(value == 1.0)
+
+
+@pytest.mark.parametrize("change", ["overlap", "gap", "file", "digests"])
+def test_a_crafted_sliced_index_is_refused_naming_the_field(group, mpi_tmp_path, change):
+    model = build(0)
+    save_sharded(group, mpi_tmp_path / "ckpt", {"model": model.state_dict()})
+    path = mpi_tmp_path / "ckpt" / "sharded.index.json"
+    group.barrier()
+    if group.rank == 0:
+        index = json.loads(path.read_text())
+        slices = index["sliced"]["model/0.weight"]["slices"]
+        if change == "overlap":
+            slices[-1]["start"] -= 1
+        elif change == "gap":
+            slices.pop()  # the last rows are stored nowhere
+        elif change == "file":
+            slices[0]["file"] = "../elsewhere.h5"
+        else:
+            slices[0]["xxh3"].append("0" * 16)
+        path.write_text(json.dumps(index))
+    group.barrier()
+    expected = {"overlap": r"\['slices'\]\[\d+\] holds rows",
+                "gap": r"\['slices'\] cover rows 0\.\.\d of 7",
+                "file": "expected a plain file name", "digests": "expected one xxh3"}[change]
+    with pytest.raises(CheckpointCollectiveError, match=expected):
+        load_sharded(group, mpi_tmp_path / "ckpt", {"model": build(1).state_dict()})
