@@ -22,6 +22,7 @@ import math
 import os
 import uuid
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -351,7 +352,11 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
         except Exception as exc:
             error = exc
     commit(comm, directory, stem, what, limit, index, error, written)
-    return comm.bcast(index, what=what) if comm.size > 1 else index  # type: ignore[return-value]
+    return comm.bcast(index, what=what)
+
+
+# each AsyncSaver's communicator for sharded saves, made on its first one (as comm_for does)
+_BACKGROUND: weakref.WeakKeyDictionary[Any, Comm] = weakref.WeakKeyDictionary()
 
 
 def _background_comm(comm: Comm) -> Comm:
@@ -403,8 +408,8 @@ def save_sharded(
         warnings.warn("async_save needs MPI_THREAD_MULTIPLE; saving synchronously",
                       MpaccelRuntimeWarning, stacklevel=2)
         return write_local(comm, directory, stem, local, metadata)
-    background = getattr(saver, "_sharded_comm", None)
+    background = _BACKGROUND.get(saver)
     if background is None:  # collective, the first time
-        background = saver._sharded_comm = _background_comm(comm)
+        background = _BACKGROUND[saver] = _background_comm(comm)
     saver.start(lambda: write_local(background, directory, stem, local, metadata))
     return None
