@@ -332,3 +332,45 @@ def test_a_crafted_sliced_index_is_refused_naming_the_field(group, mpi_tmp_path,
                 "file": "expected a plain file name", "digests": "expected one xxh3"}[change]
     with pytest.raises(CheckpointCollectiveError, match=expected):
         load_sharded(group, mpi_tmp_path / "ckpt", {"model": build(1).state_dict()})
+
+
+def test_ckpt_ls_verify_and_export_read_sharded_checkpoints(group, mpi_tmp_path, capsys):
+    from mpaccel.cli import main
+
+    model = build(0)
+    opt = stepped(model, 0.1, 0)
+    index = save_sharded(group, mpi_tmp_path / "ckpt", {"model": model.state_dict(),
+                                                        "optim": opt.state_dict()})
+    saved = {k: full(v) for k, v in model.state_dict().items()}
+    directory = str(mpi_tmp_path / "ckpt")
+    if group.rank == 0:
+        capsys.readouterr()
+        assert main(["ckpt", "ls", directory]) == 0
+        listing = capsys.readouterr().out
+        slices = index["sliced"]["model/0.weight"]["slices"]
+        line = next(row for row in listing.splitlines() if row.startswith("model/0.weight "))
+        assert "7x5" in line and f"{len(slices)} slice(s) 0:{slices[0]['stop']}" in line, line
+        assert "sharded checkpoint, format 2" in listing
+        assert main(["ckpt", "verify", directory]) == 0
+        count = len(index["sliced"])
+        assert f"{count} of {count} tensors verified" in capsys.readouterr().out
+        out = str(mpi_tmp_path / "model.safetensors")
+        assert main(["ckpt", "export", directory, "--output", out]) == 0
+        from safetensors.torch import load_file
+
+        exported = load_file(out)
+        assert exported.keys() == saved.keys()
+        for key in saved:
+            assert torch.equal(exported[key], saved[key]), key
+        last = slices[-1]
+        with open(mpi_tmp_path / "ckpt" / last["file"], "r+b") as f:
+            f.seek(last["offset"])
+            byte = f.read(1)
+            f.seek(last["offset"])
+            f.write(bytes([byte[0] ^ 0xFF]))
+        capsys.readouterr()
+        assert main(["ckpt", "verify", directory]) == 1
+        captured = capsys.readouterr()
+        assert f"{count - 1} of {count} tensors verified, 1 FAILED" in captured.out
+        assert "checksum mismatch for 'model/0.weight'" in captured.err
+    group.barrier()
