@@ -318,7 +318,7 @@ def test_a_crafted_sliced_index_is_refused_naming_the_field(group, mpi_tmp_path,
         index = json.loads(path.read_text())
         slices = index["sliced"]["model/0.weight"]["slices"]
         if change == "overlap":
-            slices[-1]["start"] -= 1
+            slices.append(dict(slices[-1]))  # the last rows stored twice
         elif change == "gap":
             slices.pop()  # the last rows are stored nowhere
         elif change == "file":
