@@ -374,3 +374,17 @@ def test_ckpt_ls_verify_and_export_read_sharded_checkpoints(group, mpi_tmp_path,
         assert f"{count - 1} of {count} tensors verified, 1 FAILED" in captured.out
         assert "checksum mismatch for 'model/0.weight'" in captured.err
     group.barrier()
+
+
+@pytest.mark.mpi(size=1)  # nests mpiexec
+def test_fsdp_checkpoint_benchmark_runs(tmp_path):
+    # not a test of speed (nothing timed is asserted): the script must keep running
+    from mpaccel.testing import run_mpi
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "fsdp_checkpoint.py"
+    tiny = ["--param-mib", "0.05", "--layers", "2", "--rounds", "1", "--dir", str(tmp_path)]
+    run = run_mpi([str(script), *tiny, "--keep"], n=2, timeout=240).check()
+    assert "load: mpaccel / dcp speed" in run.stdout[0], run.describe()
+    assert "export_full / gather+write speed" in run.stdout[0], run.describe()
+    run = run_mpi([str(script), *tiny, "--resharded"], n=1, timeout=240).check()
+    assert "resharded load: mpaccel" in run.stdout[0], run.describe()
