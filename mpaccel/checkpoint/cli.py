@@ -11,8 +11,9 @@ import torch
 
 from .format import CheckpointError, dataset_name, unflatten
 from .reader import CheckpointReader
+from .sharded_read import read_full, verify_sliced
 
-STEMS = ("state", "model")
+STEMS = ("state", "model", "sharded")
 
 
 def _open(directory: str, stem: str | None) -> CheckpointReader:
@@ -22,8 +23,8 @@ def _open(directory: str, stem: str | None) -> CheckpointReader:
                                  if os.path.lexists(os.path.join(directory, f"{s}.index.json"))]
     if not stems:
         raise CheckpointError(
-            f"{directory!r} holds no committed checkpoint (no state.index.json or "
-            "model.index.json)",
+            f"{directory!r} holds no committed checkpoint (no state.index.json, "
+            "model.index.json or sharded.index.json)",
             "an interrupted save leaves no index; point at a complete checkpoint.",
         )
     return CheckpointReader(directory, stems[0])
@@ -52,6 +53,15 @@ def run_ls(args: argparse.Namespace) -> int:
         for key, entry in entries:
             rows.append((key, entry["dtype"], "x".join(map(str, entry["shape"])) or "scalar",
                          _size(entry["nbytes"]), entry["file"]))
+        sliced = sorted(index.get("sliced", {}).items())  # sharded checkpoints: global shapes
+        for key, entry in sliced:
+            files = {piece["file"] for piece in entry["slices"]}
+            rows.append((key, entry["dtype"], "x".join(map(str, entry["shape"])) or "scalar",
+                         _size(sum(piece["nbytes"] for piece in entry["slices"])),
+                         f"{len(entry['slices'])} slice(s) "
+                         + ", ".join(f"{p['start']}:{p['stop']}" for p in entry["slices"][:4])
+                         + (" ..." if len(entry["slices"]) > 4 else "")
+                         + f" in {len(files)} file(s)"))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -63,6 +73,10 @@ def run_ls(args: argparse.Namespace) -> int:
         if index["per_rank"]:
             own = sum(len(part["tensors"]) for part in index["per_rank"])
             summary += f"; {own} per-rank tensors in {len(index['per_rank'])} per-rank file(s)"
+        if sliced:
+            total = sum(p["nbytes"] for _, e in sliced for p in e["slices"])
+            summary = (f"{len(sliced)} sharded tensors, {_size(total)} in {shards} file(s), "
+                       "rows along dimension 0")
         print(summary)
     return 0
 
@@ -87,6 +101,8 @@ def run_verify(args: argparse.Namespace) -> int:
         problems = reader.verify()
         count = len(reader.index["tensors"]) + sum(len(p["tensors"])
                                                    for p in reader.index["per_rank"])
+        sliced, more = verify_sliced(reader)
+        count, problems = count + sliced, problems + more
     for problem in dict.fromkeys(problems):  # a file refused as a whole: said once
         print(problem, file=sys.stderr)
     print(f"{args.directory}: {count - len(problems)} of {count} tensors verified"
@@ -103,8 +119,11 @@ def run_export(args: argparse.Namespace) -> int:
             "pip install 'mpaccel[safetensors]'",
         ) from None
     with _open(args.directory, args.stem) as reader:
-        component = args.component or ("model" if reader.stem == "model" else "model_0")
-        tree = reader.component(component)
+        component = args.component or ("model_0" if reader.stem == "state" else "model")
+        if "sliced" in reader.index:  # a sharded checkpoint: its slices joined
+            tree = read_full(args.directory, reader.stem, component)
+        else:
+            tree = reader.component(component)
     if not isinstance(tree, dict):
         raise CheckpointError(
             f"{component!r} of {args.directory!r} is not a state_dict (it is a "
@@ -146,10 +165,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     ):
         parser = actions.add_parser(name, help=text, description=text)
         parser.add_argument("directory")
-        parser.add_argument("--stem", choices=STEMS, help="which index (default: state, model)")
+        parser.add_argument("--stem", choices=STEMS,
+                            help="which index (default: state, model, sharded)")
         if name == "export":
             parser.add_argument("--to", choices=["safetensors"], default="safetensors")
-            parser.add_argument("--component", help="model_0 (save_state) or model (save_model)")
+            parser.add_argument("--component",
+                                help="model_0 (save_state), model (save_model, sharded)")
             parser.add_argument("--output", help="default: DIR/COMPONENT.safetensors")
         parser.set_defaults(run=_guarded(run))
 

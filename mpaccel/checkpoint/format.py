@@ -24,7 +24,9 @@ from ..errors import CollectiveError, MpaccelError
 from .rawio import byte_view
 
 FORMAT_NAME = "mpaccel-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what save_state/save_model write: their layout did not change
+# sharded checkpoints (sharded.py: "sliced" tensors) are format 2; readers take both
+SHARDED_FORMAT_VERSION = 2
 # Levels of nesting a state tree may have: its document in the index nests at most 3 JSON levels
 # per level (a dict with other than str keys is {"__items__": [[key, value]]}), under 5 of the
 # index's own, which stays within what readers accept (index_check.MAX_DEPTH).

@@ -19,7 +19,7 @@ import numpy as np
 
 from .format import (
     FORMAT_NAME,
-    FORMAT_VERSION,
+    SHARDED_FORMAT_VERSION,
     CheckpointError,
     _numpy_storable,
     dataset_name,
@@ -169,9 +169,10 @@ def check_index(index: Any, path: str) -> dict[str, Any]:
     version = index.get("format_version", 0)
     if not _is_int(version) or version < 0:
         raise c.fail(("format_version",), f"is {_show(version)}: expected an integer >= 0")
-    if version > FORMAT_VERSION:
+    if version > SHARDED_FORMAT_VERSION:
         raise CheckpointError(
-            f"{path!r} has format version {version}; this mpaccel reads up to {FORMAT_VERSION}",
+            f"{path!r} has format version {version}; this mpaccel reads up to "
+            f"{SHARDED_FORMAT_VERSION}",
             "upgrade mpaccel to read it.",
         )
     for key in ("stem", "save_id", "created", "mpaccel_version"):
@@ -189,7 +190,9 @@ def check_index(index: Any, path: str) -> dict[str, Any]:
     shards = c.get(index, (), "shards", list)
     extents: dict[str, list[_Extent]] = {}
     # the tensors first: an error then names the tensor as well as the file
-    _check_part(c, index, (), {s for s in shards if isinstance(s, str)}, extents)
+    files = {s for s in shards if isinstance(s, str)}
+    sliced = _check_sliced(c, index, files, extents) if version >= 2 else {}
+    _check_part(c, index, (), files, extents, sliced)
     for i, name in enumerate(shards):
         c.name(name, ("shards", i))
     parts = c.get(index, (), "per_rank", list)
@@ -213,8 +216,10 @@ def _check_part(
     where: tuple,
     files: set[str],
     extents: dict[str, list[_Extent]],
+    sliced: dict | None = None,
 ) -> None:
-    """A part's components (state documents) and their tensors' entries."""
+    """A part's components (state documents) and their tensors' entries (documents may also
+    name the `sliced` tensors of a sharded checkpoint)."""
     components = c.get(part, where, "components", dict)
     tensors = c.get(part, where, "tensors", dict)
     for component in components:
@@ -236,7 +241,65 @@ def _check_part(
             raise c.fail(at, f"is {_show(document)}: expected the object's state_dict")
         if component == "accelerator":
             c.integer(document, at, "step")
-        _check_document(c, document, at, component, tensors)
+        _check_document(c, document, at, component, {**tensors, **sliced} if sliced else tensors)
+
+
+def _check_sliced(
+    c: _Checker, index: dict, files: set[str], extents: dict[str, list[_Extent]]
+) -> dict:
+    """Format 2's `sliced` tensors: {key: {dtype, shape (global), slices: [{file, start, stop,
+    offset, nbytes, rows_per_block, xxh3: [one per block]}]}}, rows along dimension 0 (a 0-d
+    tensor has one), the slices in order, covering every row once."""
+    sliced = c.get(index, (), "sliced", dict, optional=True) or {}
+    found = index.get("components")
+    components: dict = found if isinstance(found, dict) else {}
+    for key, entry in sliced.items():
+        at = ("sliced", key)
+        component, _, link = key.partition("/")
+        if component not in components or not link or "/" in link or link in (".", ".."):
+            raise c.fail(at, "is not a tensor of a component of the index")
+        if not isinstance(entry, dict):
+            raise c.fail(at, f"is {_show(entry)}: expected a dict")
+        dtype = c.get(entry, at, "dtype", str)
+        itemsize = _itemsize(dtype)
+        if not itemsize:
+            raise c.fail((*at, "dtype"), f"is {_show(dtype)}: not a dtype sharded saves store")
+        shape = c.get(entry, at, "shape", list)
+        if len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+            raise c.fail((*at, "shape"),
+                         f"is {_show(shape)}: expected at most {MAX_DIMS} sizes >= 0")
+        rows = shape[0] if shape else 1
+        row_bytes = math.prod(shape[1:]) * itemsize
+        end = 0
+        for i, piece in enumerate(c.get(entry, at, "slices", list)):
+            where = (*at, "slices", i)
+            if not isinstance(piece, dict):
+                raise c.fail(where, f"is {_show(piece)}: expected a dict")
+            file = c.name(c.get(piece, where, "file", str), (*where, "file"))
+            if file not in files:
+                raise c.fail((*where, "file"), f"is {file!r}, which is not among the shards")
+            start = c.integer(piece, where, "start")
+            stop = c.integer(piece, where, "stop")
+            if start != end or not start < stop <= rows:
+                raise c.fail(where, f"holds rows {start}..{stop}: expected rows from {end} on, "
+                             f"at most {rows}")
+            end = stop
+            nbytes = c.integer(piece, where, "nbytes")
+            if nbytes != (stop - start) * row_bytes:
+                raise c.fail((*where, "nbytes"), f"is {nbytes}: rows {start}..{stop} of {dtype} "
+                             f"{shape} hold {(stop - start) * row_bytes} bytes")
+            offset = c.integer(piece, where, "offset")
+            per_block = c.integer(piece, where, "rows_per_block", low=1)
+            digests = c.get(piece, where, "xxh3", list)
+            if len(digests) != -(-(stop - start) // per_block) or not all(
+                isinstance(d, str) and _HEX16.match(d) for d in digests
+            ):
+                raise c.fail((*where, "xxh3"), f"is {_show(digests)}: expected one xxh3 (16 hex "
+                             f"digits) per {per_block} rows")
+            extents.setdefault(file, []).append((offset, nbytes, at, f"slices[{i}]"))
+        if end != (rows if row_bytes and rows else 0):
+            raise c.fail((*at, "slices"), f"cover rows 0..{end} of {rows}")
+    return sliced
 
 
 _INT = {int}

@@ -1,0 +1,415 @@
+"""Sharded checkpoints of state dicts whose tensors may be DTensors (fully_shard models and their
+optimizers): every rank writes only its own rows, and the index records which file holds which
+rows of each tensor (sharded_read.py loads them at any world size and sharding).
+
+Call sequence of `save_sharded` (collective, every rank, each with its own shards):
+  1. every rank takes its local rows (DTensor.to_local()) and flattens the state; the ranks
+     agree that the state's keys, dtypes and global shapes are the same everywhere;
+  2. rank 0 picks a save id and creates the directory; all ranks agree it worked;
+  3. each rank writes its rows (Shard(0) slices, and rank 0 the tensors that are not sharded)
+     to `<stem>-<id>-rankNNNNN.h5` (temp name, fsync, rename); all ranks agree it worked;
+  4. rank 0 checks that the slices of every tensor cover it exactly and commits
+     `<stem>.index.json` (temp file, fsync, rename), then removes files of earlier saves.
+With `async_save`, steps 2-4 run on a thread of their own, on a copy of the local rows only.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import math
+import os
+import uuid
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._version import __version__
+from ..comm import Comm
+from ..errors import MpaccelRuntimeWarning
+from . import rawio
+from .format import (
+    FORMAT_NAME,
+    SHARDED_FORMAT_VERSION,
+    CheckpointCollectiveError,
+    CheckpointError,
+    checksum,
+    contiguous,
+    dataset_name,
+    dtype_name,
+    flatten,
+    to_numpy,
+)
+from .storage import (
+    _check_same_on_every_rank,
+    _fsync_path,
+    _make_directory,
+    _remove,
+    _write_h5,
+    remove_stale,
+    write_index,
+)
+
+SHARDED_STEM = "sharded"
+BLOCK_BYTES = 4 << 20  # rows are checksummed in blocks of about this size: a partial read of a
+# slice is verified by reading at most one block more on each side
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows [start, stop) of a tensor of `shape` (its global shape) that this rank holds
+    (dimension 0; a 0-d tensor has one row), and whether this rank is the one that stores them
+    (the first replica, where a mesh dimension replicates them)."""
+
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    writer: bool
+
+
+def row_count(shape: tuple[int, ...] | list[int]) -> int:
+    return int(shape[0]) if len(shape) else 1
+
+
+def _dtensor_rows(value: Any, where: str) -> Rows | None:
+    """Rows of a DTensor (None for a plain tensor: every rank holds all of it)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in value.placements:
+        if placement.is_partial() or (placement.is_shard() and getattr(placement, "dim", 0) != 0):
+            raise CheckpointError(
+                f"cannot store the DTensor at key {where!r}: its placements are "
+                f"{tuple(value.placements)!r}, and sharded checkpoints hold Shard(0) and "
+                "Replicate() placements only",
+                "use fully_shard's default placement (Shard(0)), or call .full_tensor() on "
+                "this value before saving.",
+            )
+    mesh = value.device_mesh
+    local_shape, offset = compute_local_shape_and_global_offset(
+        value.shape, mesh, value.placements
+    )
+    coordinate = mesh.get_coordinate()
+    writer = coordinate is not None and all(
+        c == 0 for c, p in zip(coordinate, value.placements) if not p.is_shard()
+    )
+    shape = tuple(value.shape)
+    if not shape:
+        return Rows(0, 1, shape, writer)
+    return Rows(int(offset[0]), int(offset[0]) + int(local_shape[0]), shape, writer)
+
+
+def localize(tree: Any, prefix: str) -> tuple[Any, dict[int, tuple[Rows, Any]]]:
+    """The tree with every DTensor replaced by its local tensor, and {id(local): (its Rows, the
+    DTensor)}. Plain containers are rebuilt where they hold a DTensor; the rest is kept."""
+    found: dict[int, tuple[Rows, Any]] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            rows = _dtensor_rows(value, f"{prefix}/{path}")
+            if rows is None:
+                return value
+            local = value.to_local()  # type: ignore[attr-defined]
+            found[id(local)] = (rows, value)
+            return local
+        if type(value) in (dict, collections.OrderedDict):
+            return type(value)((k, walk(v, f"{path}.{k}" if path else str(k)))
+                               for k, v in value.items())
+        if type(value) in (list, tuple):
+            return type(value)(walk(v, f"{path}.{i}") for i, v in enumerate(value))
+        return value
+
+    return walk(tree, ""), found
+
+
+@dataclass
+class LocalState:
+    """What one rank holds of a state to save: the documents (the same on every rank), the
+    arrays of the rows it writes, and for every tensor its dtype and Rows."""
+
+    documents: dict[str, Any]
+    arrays: dict[str, np.ndarray]  # key -> this rank's rows (only where it is the writer)
+    dtypes: dict[str, str]
+    rows: dict[str, Rows]
+    stored: dict[str, np.dtype] = dataclasses.field(default_factory=dict)  # dtype in the file
+    whole: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # held whole here
+
+    def snapshot(self) -> LocalState:
+        """A copy of the local rows (for a save in the background)."""
+        return LocalState(self.documents, {k: a.copy() for k, a in self.arrays.items()},
+                          self.dtypes, self.rows, self.stored)
+
+    def layout(self) -> dict:
+        return {key: (self.dtypes[key], list(self.rows[key].shape)) for key in sorted(self.rows)}
+
+
+def collect_local(state: Mapping[str, Any], rank: int) -> LocalState:
+    """Flatten {component: state tree} into this rank's LocalState (see LocalState). Raises
+    CheckpointError naming the key of anything that cannot be stored."""
+    out = LocalState({}, {}, {}, {})
+    for component, tree in state.items():
+        local_tree, dtensors = localize(tree, component)
+        out.documents[component], tensors = flatten(local_tree, component)
+        for name, value in tensors.items():
+            key = dataset_name(component, name)
+            if isinstance(value, np.ndarray):
+                array, out.dtypes[key] = contiguous(value), f"numpy.{value.dtype}"
+            else:
+                array, out.dtypes[key] = to_numpy(value), dtype_name(value.dtype)
+            held = dtensors.get(id(value))
+            if held is None:  # the same on every rank: rank 0 stores it
+                rows = Rows(0, row_count(array.shape), tuple(array.shape), rank == 0)
+            else:
+                rows = held[0]
+            out.rows[key] = rows
+            out.stored[key] = array.dtype
+            if (rows.start, rows.stop) == (0, row_count(rows.shape)):
+                out.whole[key] = array
+            if rows.writer and rows.stop > rows.start and array.nbytes:
+                out.arrays[key] = array
+    return out
+
+
+def block_digests(array: np.ndarray, rows_per_block: int) -> list[str]:
+    if array.ndim == 0:
+        return [checksum(array)]
+    return [checksum(array[i : i + rows_per_block])
+            for i in range(0, array.shape[0], rows_per_block)]
+
+
+def rows_per_block(array: np.ndarray) -> int:
+    row_bytes = array.nbytes // max(1, row_count(array.shape))
+    return max(1, BLOCK_BYTES // max(1, row_bytes))
+
+
+def _write_rank_file(path: str, local: LocalState) -> tuple[dict[str, dict], int]:
+    """This rank's file: its rows of every tensor; returns {key: slice entry} and its size."""
+    entries, size = _write_h5(path, local.arrays, local.dtypes)
+    slices = {}
+    for key, array in local.arrays.items():
+        entry = entries[key]
+        if "offset" not in entry:
+            raise CheckpointError(f"HDF5 gave {key!r} no contiguous storage in {path!r}")
+        per_block = rows_per_block(array)
+        digests = block_digests(array, per_block) if array.ndim else [entry["xxh3"]]
+        if len(digests) == 1:
+            digests = [entry["xxh3"]]
+        rows = local.rows[key]
+        slices[key] = {
+            "file": entry["file"], "start": rows.start, "stop": rows.stop,
+            "offset": entry["offset"], "nbytes": entry["nbytes"],
+            "rows_per_block": per_block, "xxh3": digests,
+        }
+    return slices, size
+
+
+def _coverage_error(key: str, shape: list[int], slices: list[dict]) -> str | None:
+    """Where the slices of a tensor do not cover its rows exactly once (None: they do)."""
+    expected = 0
+    for piece in slices:
+        if piece["start"] != expected:
+            return (f"{key!r}: rows {expected}..{piece['start']} are missing or stored twice "
+                    f"(next slice starts at {piece['start']})")
+        expected = piece["stop"]
+    total = row_count(shape) if math.prod(shape) else 0
+    if (slices and expected != total) or (not slices and total):
+        return f"{key!r}: the slices cover rows 0..{expected} of {total}"
+    return None
+
+
+def build_index(
+    comm_size: int, stem: str, save_id: str, local: LocalState,
+    gathered: list[tuple[dict[str, dict], dict[str, int]]], metadata: Mapping[str, Any],
+) -> dict[str, Any]:
+    sliced: dict[str, dict] = {
+        key: {"dtype": local.dtypes[key], "shape": list(rows.shape), "slices": []}
+        for key, rows in sorted(local.rows.items())
+    }
+    sizes: dict[str, int] = {}
+    for slices, files in gathered:
+        sizes.update(files)
+        for key, piece in slices.items():
+            sliced[key]["slices"].append(piece)
+    problems = []
+    for key, entry in sliced.items():
+        entry["slices"].sort(key=lambda piece: piece["start"])
+        problem = _coverage_error(key, entry["shape"], entry["slices"])
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise CheckpointError(
+            "the ranks' shards do not make whole tensors: " + "; ".join(problems[:3]),
+            "every rank must save the same fully_shard model and optimizer, on one device mesh "
+            "spanning all ranks.",
+        )
+    return {
+        "format": FORMAT_NAME,
+        "format_version": SHARDED_FORMAT_VERSION,
+        "stem": stem,
+        "save_id": save_id,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "mpaccel_version": __version__,
+        "world_size": comm_size,
+        "metadata": {"kind": "sharded", **dict(metadata)},
+        "components": local.documents,
+        "tensors": {},
+        "sliced": sliced,
+        "shards": sorted(sizes),
+        "per_rank": [],
+        "file_sizes": sizes,
+    }
+
+
+def commit(comm: Comm, directory: str, stem: str, what: str, limit: float,
+           index: dict[str, Any] | None, error: BaseException | None,
+           written: list[str]) -> None:
+    """Collective. Rank 0 writes `index` (built there; `error` if it could not be) atomically and
+    removes files of earlier saves; every rank removes its files of a save left uncommitted."""
+    committed: bool | None = False
+
+    def put() -> None:
+        nonlocal committed
+        assert index is not None
+        write_index(directory, stem, index)
+        committed = True  # from here on, a failure must not take its files away
+        _fsync_path(directory)
+        remove_stale(directory, stem, index)
+
+    if comm.rank == 0 and error is None:
+        try:
+            rawio.within(limit, what, put)
+        except rawio.StalledIOError as exc:
+            error, committed = exc, committed or None
+        except Exception as exc:
+            error = CheckpointError(f"cannot commit the index of {directory!r}: {exc}")
+            error.__cause__ = exc
+    committed = comm.bcast(committed, what=what)
+    try:
+        comm.agree(error, what + " (committing the index)", kind=CheckpointCollectiveError)
+    except Exception:
+        if committed is False:
+            _remove(written)
+        raise
+
+
+def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
+                metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Collective: steps 2-4 of save_sharded (see the module's docstring)."""
+    what = f"saving sharded checkpoint {directory!r}"
+    save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
+    limit = rawio.stall_limit(comm.default_timeout)
+    error: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            rawio.within(limit, what, lambda: _make_directory(directory))
+        except rawio.StalledIOError as exc:
+            error = exc
+        except Exception as exc:
+            error = CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
+    comm.agree(error, what + " (creating the directory)", kind=CheckpointCollectiveError)
+
+    name = f"{stem}-{save_id}-rank{comm.rank:05d}.h5"
+    path = os.path.join(directory, name)
+    written: list[str] = []
+    slices: dict[str, dict] = {}
+    sizes: dict[str, int] = {}
+
+    def write_mine() -> None:
+        nonlocal slices
+        if not local.arrays:  # nothing of its own to store (a replica, an empty shard)
+            return
+        written.append(path)
+        slices, sizes[name] = _write_rank_file(path, local)
+
+    error, stalled = None, False
+    try:
+        rawio.within(limit, what, write_mine)
+    except rawio.StalledIOError as exc:
+        error, stalled = exc, True
+    except Exception as exc:
+        error = CheckpointError(f"rank {comm.rank} could not write {path!r}: {exc}")
+    try:
+        comm.agree(error, what + " (writing shards)", kind=CheckpointCollectiveError)
+    except Exception:
+        if not stalled:
+            _remove(written)
+        raise
+
+    gathered = comm.allgather((slices, sizes), what=what)
+    index, error = None, None
+    if comm.rank == 0:
+        try:
+            index = build_index(comm.size, stem, save_id, local, gathered, metadata or {})
+        except Exception as exc:
+            error = exc
+    commit(comm, directory, stem, what, limit, index, error, written)
+    return comm.bcast(index, what=what)
+
+
+# each AsyncSaver's communicator for sharded saves, made on its first one (as comm_for does)
+_BACKGROUND: weakref.WeakKeyDictionary[Any, Comm] = weakref.WeakKeyDictionary()
+
+
+def _background_comm(comm: Comm) -> Comm:
+    """A communicator of its own for a save in the background (as AsyncSaver.comm_for)."""
+    if comm.size == 1:
+        return comm
+    from ..comm import MPIComm
+
+    background = MPIComm(comm.mpi_comm, comm.default_timeout, interruptible=False)  # type: ignore[attr-defined]
+    background.spin_seconds = background.yield_seconds = 0.0
+    background.hosts = getattr(comm, "hosts", ())
+    return background
+
+
+def save_sharded(
+    comm: Comm,
+    directory: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    stem: str = SHARDED_STEM,
+    metadata: Mapping[str, Any] | None = None,
+    saver: Any = None,
+) -> dict[str, Any] | None:
+    """Collective. Save {component: state dict} (values may be DTensors of Shard(0) and
+    Replicate placements, plain tensors, arrays and plain values) under `directory`: each rank
+    writes only its own rows. Returns the committed index.
+
+    `saver` (an mpaccel.checkpoint.AsyncSaver): copy the local rows and write them in the
+    background; returns None at once, `saver.wait()` waits for the commit and raises its error.
+    """
+    directory = os.fspath(directory)
+    what = f"saving sharded checkpoint {directory!r}"
+    error: BaseException | None = None
+    local = LocalState({}, {}, {}, {})
+    try:
+        local = collect_local(state, comm.rank)
+        if saver is not None:
+            local = local.snapshot()
+    except Exception as exc:
+        error = exc
+    comm.agree(error, what + " (collecting the state)", kind=CheckpointCollectiveError)
+    _check_same_on_every_rank(comm, what, local.documents, local.layout())
+    if saver is None:
+        return write_local(comm, directory, stem, local, metadata)
+    from . import _threads_ok
+
+    saver.wait()
+    if not _threads_ok():
+        warnings.warn("async_save needs MPI_THREAD_MULTIPLE; saving synchronously",
+                      MpaccelRuntimeWarning, stacklevel=2)
+        return write_local(comm, directory, stem, local, metadata)
+    background = _BACKGROUND.get(saver)
+    if background is None:  # collective, the first time
+        background = _BACKGROUND[saver] = _background_comm(comm)
+    saver.start(lambda: write_local(background, directory, stem, local, metadata))
+    return None
