@@ -274,9 +274,11 @@ class PreparedLoader:
         self._started = position["started"] and not mid_epoch
         self._epoch_seen = self.iteration if position["epoch_seen"] else None
         self._base_resumes = False
-        if skip is not None:
-            self._resume_at(skip)
-        elif inside:
+        # The state says where the next pass starts, and nothing else does: no skip left from
+        # before (an earlier load_state_dict, skip_first_batches), so that loading the
+        # state_dict() taken before a load gives the loader back as it was.
+        self._resume_at(skip or 0)
+        if inside:
             # The loader inside resumes by itself: the pass only counts the batches given.
             self._base_resumes = True
             self.batches_yielded = position["batches_yielded"]
