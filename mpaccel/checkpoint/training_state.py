@@ -18,7 +18,7 @@ import torch
 from .. import distributed
 from ..comm import Comm
 from .format import CheckpointError, view_identity
-from .reader import Deferred
+from .read_plan import Deferred
 from .rng_state import RNG, checked_rng_state, rng_state, set_rng_state
 from .stateful import TrainingState
 
