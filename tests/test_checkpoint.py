@@ -1186,3 +1186,16 @@ def test_plain_stateful_objects_round_trip_without_an_accelerator(mpi_tmp_path, 
         assert not PartialState._shared_state, "an Accelerator's state was made"
     finally:
         control.free()
+
+
+def test_two_objects_under_one_entry_name_are_refused():
+    """Entry names are the file format: two objects under one name would overwrite each other
+    in the checkpoint, so TrainingState refuses them, naming the entry."""
+    from mpaccel.checkpoint import TrainingState
+
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"\['a'\]"):
+        TrainingState(models={"a": module}, shared={"a": _Tally()})
+    with pytest.raises(ValueError, match=r"\['rng'\]"):
+        TrainingState(per_rank={"rng": _Tally()})
+    TrainingState(models={"a": module}, per_rank={"a": _Tally()})  # shared and per-rank: apart

@@ -45,9 +45,11 @@ class TrainingState:
     optional: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        names = [*self.models, *self.optimizers, *self.shared]
-        clash = sorted({n for n in names if names.count(n) > 1} | (
-            set(self.per_rank) & set(self.gradients)) | ({"rng"} & {*self.per_rank,
-                                                                   *self.gradients}))
-        if clash:
-            raise ValueError(f"two objects of the checkpoint share the entry names {clash}")
+        shared = [*self.models, *self.optimizers, *self.shared]
+        per_rank = ["rng", *self.per_rank, *self.gradients]
+        twice = sorted({n for names in (shared, per_rank) for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"TrainingState: two objects under each of the entry names {twice} (the shared "
+                "entries, and each rank's, need names of their own; 'rng' is the RNG states')"
+            )
