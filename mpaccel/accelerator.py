@@ -853,7 +853,9 @@ class Accelerator:
         atomically; shards of an earlier save are removed. HDF5 never pickles, so
         `safe_serialization` is always honoured. Read back with
         `mpaccel.checkpoint.load_model_state(dir)`."""
-        checkpoint.save_model(self, model, save_directory, max_shard_size)
+        checkpoint.save_model(
+            self._partial.comm, self.unwrap_model(model), save_directory, max_shard_size
+        )
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with state_dict()/load_state_dict() in save_state/load_state."""
@@ -908,15 +910,28 @@ class Accelerator:
             )
         return [self._models[i] for i in kept]
 
-    @contextmanager
-    def _only_models(self, models: list[torch.nn.Module]) -> Iterator[None]:
-        """The checkpoint saves or loads `models` alone (what the pre-hooks left it)."""
-        every = self._models
-        self._models = models
-        try:
-            yield
-        finally:
-            self._models = every
+    def _checkpoint_objects(
+        self, models: list[torch.nn.Module], gradients: bool
+    ) -> checkpoint.TrainingState:
+        """What save_state/load_state hand the checkpoint, under the names of its entries:
+        `models` (what the pre-hooks left), then everything else prepared or registered;
+        with `gradients`, the models' gradients per rank."""
+        unwrapped = [self.unwrap_model(model) for model in models]
+        shared: dict[str, checkpoint.Stateful] = {
+            f"scheduler_{i}": sched for i, sched in enumerate(self._schedulers)
+        }
+        if self.scaler is not None:
+            shared["scaler"] = self.scaler
+        shared.update({f"custom_{i}": obj for i, obj in enumerate(self._custom_objects)})
+        shared["accelerator"] = _AccumulationStep(self)
+        return checkpoint.TrainingState(
+            models={f"model_{i}": module for i, module in enumerate(unwrapped)},
+            optimizers={f"optimizer_{i}": opt for i, opt in enumerate(self._optimizers)},
+            shared=shared,
+            per_rank={f"dataloader_{i}": loader for i, loader in enumerate(self._dataloaders)},
+            gradients={f"gradients_{i}": m for i, m in enumerate(unwrapped)} if gradients else {},
+            optional=frozenset({"scaler"}),
+        )
 
     def save_state(
         self,
@@ -940,7 +955,7 @@ class Accelerator:
         if self._save_model_state_pre_hook:
             directory = ""
             try:  # an error here is the checkpoint's to report, collectively, below
-                directory = checkpoint._resolve_output(self, output_dir)
+                directory = checkpoint.resolve_output(self.project_configuration, output_dir)
                 os.makedirs(directory, exist_ok=True)
             except Exception:
                 pass
@@ -951,8 +966,16 @@ class Accelerator:
                 weights,
                 "save_state (pre-hooks)",
             )
-        with self._only_models(models):
-            return checkpoint.save_state(self, output_dir, async_save)
+        # Saved mid-accumulation: each rank's gradients summed so far are part of the state.
+        objects = self._checkpoint_objects(models, gradients=not self.sync_gradients)
+        return checkpoint.save_state(
+            self._partial.comm,
+            objects,
+            output_dir,
+            project=self.project_configuration,
+            saver=self._async_saver,
+            async_save=async_save,
+        )
 
     def load_state(
         self,
@@ -982,8 +1005,15 @@ class Accelerator:
                 listed,
                 "load_state (pre-hooks)",
             )
-        with self._only_models(models):
-            return checkpoint.load_state(self, input_dir, load_model_func_kwargs)
+        return checkpoint.load_state(
+            self._partial.comm,
+            self._checkpoint_objects(models, gradients=True),
+            input_dir,
+            project=self.project_configuration,
+            saver=self._async_saver,
+            model_options=load_model_func_kwargs,
+            node_share=(self.local_process_index, self._partial.local_num_processes),
+        )
 
     def wait_for_checkpoint(self) -> None:
         """Collective in effect: block until an async save is committed (re-raises its error)."""
@@ -1072,3 +1102,19 @@ def _is_scheduler(obj: Any) -> bool:
     return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
         hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "get_last_lr")
     )
+
+
+class _AccumulationStep:
+    """The Accelerator's micro-batch count, as a checkpoint holds it (entry "accelerator")."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self._accelerator = accelerator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self._accelerator.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        step = state.get("step") if isinstance(state, dict) else None
+        if type(step) is not int or step < 0:
+            raise ValueError(f"it holds the step {step!r}, not a count")
+        self._accelerator.step = step

@@ -233,7 +233,12 @@ class PreparedLoader:
         """Not collective. Where this rank's loader stands: the epoch and, mid-epoch, the batches
         it gave; with use_stateful_dataloader, the StatefulDataLoader's own state as of the
         last batch given ("dataloader"). A pass whose last batch is out counts as over."""
-        running = self in self.gradient_state.__dict__.get("dataloader_references", ())
+        # Every loader whose pass is under way counts (two loaders zipped, an auxiliary one
+        # advanced with next()), not only the latest started. A pass whose last batch is out
+        # has only to return: saved as over, so that the resumed run moves on to the next
+        # epoch, unless the script asks for that same epoch again with set_epoch (its epoch
+        # counter was saved too): then the pass is empty ("epoch_seen").
+        running = self in getattr(self.gradient_state, "dataloader_references", ())
         mid_epoch = running and not self.end_of_dataloader
         state: dict[str, Any] = {
             "iteration": self.iteration,
@@ -252,22 +257,31 @@ class PreparedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Not collective. Resume from `state_dict()`: mid-epoch, the next pass replays the saved
         epoch from the batch after the last one given (at another number of processes, from
-        the first sample not yet consumed); between passes, the next pass moves on."""
-        self.iteration = int(state["iteration"])
-        self._started = bool(state.get("started", False)) and not state["mid_epoch"]
-        self._epoch_seen = self.iteration if state.get("epoch_seen") else None
-        self._base_resumes = False
-        saved_world = int(state.get("num_processes", self.sharding.num_processes))
+        the first sample not yet consumed); between passes, the next pass moves on. Every field
+        is checked first: a state this loader cannot take (ValueError) changes nothing."""
+        position = _checked_position(state, self.sharding.num_processes)
+        saved_world = position["num_processes"]
         base = state.get("dataloader")
         same_world = saved_world == self.sharding.num_processes
-        if state["mid_epoch"] and self.use_stateful_dataloader and base is not None and same_world:
+        mid_epoch = position["mid_epoch"]
+        inside = mid_epoch and self.use_stateful_dataloader and base is not None and same_world
+        skip = self._rescaled(position, saved_world) if mid_epoch and not inside else None
+        if inside:
             self.base_dataloader.load_state_dict(base)
+        # Between passes the next one moves on from the saved epoch; mid-epoch it replays the
+        # saved epoch (minus what was seen). From here on, plain assignments.
+        self.iteration = position["iteration"]
+        self._started = position["started"] and not mid_epoch
+        self._epoch_seen = self.iteration if position["epoch_seen"] else None
+        self._base_resumes = False
+        # The state says where the next pass starts, and nothing else does: no skip left from
+        # before (an earlier load_state_dict, skip_first_batches), so that loading the
+        # state_dict() taken before a load gives the loader back as it was.
+        self._resume_at(skip or 0)
+        if inside:
             # The loader inside resumes by itself: the pass only counts the batches given.
-            self._base_resumes = state["mid_epoch"]
-            self.batches_yielded = int(state["batches_yielded"])
-            return
-        if state["mid_epoch"]:
-            self._resume_at(self._rescaled(state, saved_world))
+            self._base_resumes = True
+            self.batches_yielded = position["batches_yielded"]
 
     def _rescaled(self, state: dict[str, Any], saved_world: int) -> int:
         batches = int(state["batches_yielded"])
@@ -348,6 +362,41 @@ class PreparedLoader:
         batch about to be given, before fetching the next one)."""
         if self.use_stateful_dataloader:
             self._base_state = self.base_dataloader.state_dict()
+
+
+_REQUIRED = object()
+
+
+def _field(state: dict[str, Any], key: str, kind: str, default: Any = _REQUIRED) -> Any:
+    """state[key], checked: kind "flag" (a bool), "count" (an int >= 0) or "count or None"."""
+    value = state.get(key, default)
+    if value is _REQUIRED:
+        raise ValueError(f"it has no {key!r}")
+    if kind == "flag":
+        ok = isinstance(value, bool)
+    else:
+        ok = (value is None and kind == "count or None") or (type(value) is int and value >= 0)
+    if not ok:
+        raise ValueError(f"{key}={value!r} is not a {kind}")
+    return value
+
+
+def _checked_position(state: Any, world: int) -> dict[str, Any]:
+    """The fields of a loader's state_dict() (as a checkpoint holds it), each checked; a
+    crafted or damaged one is refused with ValueError naming the field. Checkpoints written
+    before "started", "epoch_seen" and "num_processes" were recorded take their defaults."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the position is a {type(state).__name__}, not a dict")
+    mid_epoch = _field(state, "mid_epoch", "flag")
+    return {
+        "iteration": _field(state, "iteration", "count"),
+        "started": _field(state, "started", "flag", False),
+        "mid_epoch": mid_epoch,
+        "epoch_seen": _field(state, "epoch_seen", "flag", False),
+        "batches_yielded": _field(state, "batches_yielded", "count") if mid_epoch else 0,
+        "total_batch_size": _field(state, "total_batch_size", "count or None", None),
+        "num_processes": _field(state, "num_processes", "count", world) or world,
+    }
 
 
 _END = object()  # the end of an iterator, for next(iterator, _END)

@@ -1128,3 +1128,77 @@ def test_save_mid_accumulation_keeps_partial_gradients(mpi_tmp_path, comm):
     assert acc2.step == 1
     for p, g in zip(acc2.unwrap_model(model2).parameters(), grads):
         assert torch.equal(p.grad, g)
+
+
+class _Tally:
+    """A Stateful that is not a torch object: a count and a list."""
+
+    def __init__(self):
+        self.count, self.seen = 0, []
+
+    def state_dict(self):
+        return {"count": self.count, "seen": list(self.seen)}
+
+    def load_state_dict(self, state):
+        self.count, self.seen = state["count"], list(state["seen"])
+
+
+def test_plain_stateful_objects_round_trip_without_an_accelerator(mpi_tmp_path, comm):
+    """The checkpoint layer takes a communicator and Stateful objects by name: a module, an
+    optimizer, a small Stateful shared by every rank and one of each rank's own come back,
+    with each rank's RNG state, and no Accelerator (nor its shared state) is ever made."""
+    from mpaccel.checkpoint import TrainingState, load_state, save_state
+    from mpaccel.comm import MPIComm
+    from mpaccel.state import PartialState
+
+    reset_state()
+    control = MPIComm(comm, 120.0, interruptible=False)
+
+    def make(seed):
+        torch.manual_seed(seed)
+        module = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        tally, own = _Tally(), _Tally()
+        objects = TrainingState(models={"net": module}, optimizers={"sgd": opt},
+                                shared={"tally": tally}, per_rank={"own": own})
+        return module, opt, tally, own, objects
+
+    try:
+        module, opt, tally, own, objects = make(0)
+        module(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        tally.count, tally.seen = 5, [1.5, "a", None]
+        own.count, own.seen = 10 + control.rank, [control.rank]
+        torch.manual_seed(100 + control.rank)
+        directory = save_state(control, objects, str(mpi_tmp_path / "plain"))
+        drawn = torch.rand(3)
+        module2, opt2, tally2, own2, objects2 = make(1)
+        assert load_state(control, objects2, directory) == directory
+        assert torch.equal(torch.rand(3), drawn)  # this rank's RNG state came back
+        for a, b in zip(module.parameters(), module2.parameters(), strict=True):
+            assert torch.equal(a, b)
+        momentum = [opt.state[p]["momentum_buffer"] for p in module.parameters()]
+        assert all(torch.equal(m, opt2.state[p]["momentum_buffer"])
+                   for m, p in zip(momentum, module2.parameters(), strict=True))
+        assert tally2.state_dict() == {"count": 5, "seen": [1.5, "a", None]}
+        assert own2.state_dict() == {"count": 10 + control.rank, "seen": [control.rank]}
+        with CheckpointReader(directory, "state") as reader:
+            assert reader.components() == ["net", "sgd", "tally"]
+            mine = reader.index["per_rank"][control.rank]["components"]
+            assert list(mine) == ["rng", "own"]
+        assert not PartialState._shared_state, "an Accelerator's state was made"
+    finally:
+        control.free()
+
+
+def test_two_objects_under_one_entry_name_are_refused():
+    """Entry names are the file format: two objects under one name would overwrite each other
+    in the checkpoint, so TrainingState refuses them, naming the entry."""
+    from mpaccel.checkpoint import TrainingState
+
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"\['a'\]"):
+        TrainingState(models={"a": module}, shared={"a": _Tally()})
+    with pytest.raises(ValueError, match=r"\['rng'\]"):
+        TrainingState(per_rank={"rng": _Tally()})
+    TrainingState(models={"a": module}, per_rank={"a": _Tally()})  # shared and per-rank: apart

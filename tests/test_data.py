@@ -912,8 +912,12 @@ def test_rng_types_synchronise_torchs_generator_at_each_pass(comm):
 def test_the_prepared_loader_state_dict_resumes_mid_epoch(comm, source, dispatch):
     """state_dict() mid-epoch, load_state_dict() later: the next pass gives the rest of that
     epoch (Accelerate's test_stateful_dataloader, without torchdata). Its keys are the position
-    a checkpoint records (mpaccel.checkpoint's dataloader_position)."""
-    from mpaccel.checkpoint.training_state import dataloader_position
+    a checkpoint records (what mpaccel.checkpoint collects of a per-rank Stateful)."""
+    from mpaccel.checkpoint import TrainingState
+    from mpaccel.checkpoint.training_state import collect
+
+    def dataloader_position(loader):
+        return collect(comm, TrainingState(per_rank={"dataloader_0": loader}))[1]["dataloader_0"]
 
     config = DataLoaderConfiguration(dispatch_batches=dispatch)
     acc = _fresh(dataloader_config=config)

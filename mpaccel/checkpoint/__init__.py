@@ -1,23 +1,29 @@
 """HDF5 checkpoints: save_model, save_state/load_state, automatic naming and rotation, async saves.
 
-Every function taking an accelerator is collective. See docs/checkpoint-format.md for the files.
+The functions taking a `comm` are collective. They take the objects to save by name
+(TrainingState: models, optimizers, other Statefuls), never the Accelerator that holds them.
+See docs/checkpoint-format.md for the files.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import re
-import sys
-import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from ..comm import Comm, agreement
+from ..config import ProjectConfiguration
 from ..errors import MpaccelRuntimeWarning
 from ..logging import get_logger
 from . import rawio
-from .format import CheckpointCollectiveError, CheckpointError, flatten, parse_size, unflatten
+from .async_save import AsyncSaver, snapshot, threads_ok
+from .format import CheckpointCollectiveError, CheckpointError, parse_size
 from .reader import CheckpointReader
+from .stateful import Stateful, TrainingState
 from .storage import delete_checkpoint, write_checkpoint
 from .training_state import (
     Rollback,
@@ -39,25 +45,31 @@ __all__ = [
     "CheckpointCollectiveError",
     "CheckpointError",
     "CheckpointReader",
+    "Stateful",
+    "TrainingState",
     "checkpoints_in",
     "latest_checkpoint",
     "load_model_state",
     "load_state",
+    "resolve_output",
     "save_model",
     "save_state",
 ]
 
 
-def save_model(accelerator: Any, model: Any, save_directory: str, max_shard_size: Any) -> dict:
-    """The unwrapped model's state_dict as HDF5 shards of at most `max_shard_size`, written by
-    different ranks in parallel (shard i by rank i mod N), plus `model.index.json`."""
+def save_model(
+    comm: Comm, module: torch.nn.Module, save_directory: str, max_shard_size: Any
+) -> dict:
+    """Collective. The (unwrapped) module's state_dict as HDF5 shards of at most
+    `max_shard_size`, written by different ranks in parallel (shard i by rank i mod N), plus
+    `model.index.json`."""
     try:
         limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise CheckpointError(str(exc), "for example max_shard_size='10GB' or '500MB'.") from exc
-    state = model_state(accelerator, model)
+    state = model_state(comm, module)
     index = write_checkpoint(
-        accelerator._partial.comm,
+        comm,
         os.fspath(save_directory),
         MODEL_STEM,
         {"model": state},
@@ -123,22 +135,19 @@ def rotate(project_dir: str, total_limit: int | None, room: bool = False) -> lis
     return [*debris, *old]
 
 
-def _rotate(comm: Any, rotation: tuple[str, int | None], room: bool, what: str) -> None:
+def _rotate(comm: Comm, rotation: tuple[str, int | None], room: bool, what: str) -> None:
     """Collective: rotate() on rank 0 (the checkpoints are on a file system every rank sees),
     under the collective timeout; every rank raises if it fails."""
-    error = None
-    if comm.rank == 0:
-        try:
+    with agreement(comm, what + " (removing old checkpoints)", kind=CheckpointCollectiveError):
+        if comm.rank == 0:
             rawio.within(
                 rawio.stall_limit(comm.default_timeout), what, lambda: rotate(*rotation, room)
             )
-        except Exception as exc:
-            error = exc
-    comm.agree(error, what + " (removing old checkpoints)", kind=CheckpointCollectiveError)
 
 
-def _resolve_output(accelerator: Any, output_dir: str | None) -> str:
-    config = accelerator.project_configuration
+def resolve_output(config: ProjectConfiguration, output_dir: str | None) -> str:
+    """Not collective: the directory save_state(output_dir) writes, with automatic naming
+    project_dir/checkpoints/checkpoint_<iteration> (refused below the newest one there)."""
     if config.automatic_checkpoint_naming:
         if config.project_dir is None:
             raise CheckpointError(
@@ -165,140 +174,49 @@ def _resolve_output(accelerator: Any, output_dir: str | None) -> str:
     return os.fspath(output_dir)
 
 
-def _snapshot(trees: dict[str, Any]) -> dict[str, Any]:
-    """{component: tree} deep-copied, every tensor cloned to host memory (for a save in the
-    background), tied tensors once (so the copies stay tied, and are stored once). Errors name
-    the component and key, as a synchronous save's do."""
-    out = {}
-    for component, tree in trees.items():
-        document, tensors = flatten(tree, component)
-        copies: dict[str, Any] = {}
-
-        def load(name: str, kind: str, tensors: dict[str, Any] = tensors,
-                 copies: dict[str, Any] = copies) -> Any:
-            if name not in copies:
-                value = tensors[name]
-                copies[name] = (value.copy() if kind == "numpy"
-                                else value.detach().to("cpu", copy=True))
-            return copies[name]
-
-        out[component] = unflatten(document, load)
-    return out
-
-
-class AsyncSaver:
-    """Writes checkpoints in a background thread on its own communicator, one at a time."""
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._comm: Any = None
-        self._exit_hook = False
-
-    def comm_for(self, accelerator: Any) -> Any:
-        if self._comm is None:  # collective, the first time: every rank saves together
-            comm = accelerator._partial.comm
-            if comm.size == 1:
-                self._comm = comm
-            else:
-                from ..comm import MPIComm
-
-                self._comm = MPIComm(comm.mpi_comm, comm.default_timeout, interruptible=False)
-                # it waits beside the training thread: sleep at once, never spin or yield
-                self._comm.spin_seconds = self._comm.yield_seconds = 0.0
-                self._comm.hosts = comm.hosts
-        return self._comm
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self, target: Any) -> None:
-        def run() -> None:
-            try:
-                target()
-            except BaseException as exc:
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name="mpaccel-async-save")
-        if not self._exit_hook:
-            # A script may end right after save_state(async_save=True). The save must still be
-            # committed, and it needs the thread pools of rawio, which refuse new work once
-            # the interpreter shuts down: so wait in a hook of threading's shutdown, which runs
-            # (last registered, first run) before concurrent.futures' own and before atexit
-            # (MPI is finalized there, after this).
-            register = getattr(threading, "_register_atexit", None)
-            (register or atexit.register)(self._finish_at_exit)
-            self._exit_hook = True
-        self._thread.start()
-
-    def _finish_at_exit(self) -> None:
-        try:
-            self.wait()
-        except BaseException as exc:
-            # Every rank has the same error (the save's collectives agree on it). The process
-            # must not end with status 0 as if the checkpoint were there.
-            print(
-                f"mpaccel: the background save_state(async_save=True) failed and the script "
-                f"ended without wait_for_checkpoint(): {type(exc).__name__}: {exc}",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(1)
-
-    def wait(self) -> None:
-        """Block until the background save is committed; re-raise its error here."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-
-def _threads_ok() -> bool:
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return True
-    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-
-
-def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> str:
-    saver: AsyncSaver = accelerator._async_saver
-    saver.wait()  # a second save waits for the first
-    config = accelerator.project_configuration
-    comm = accelerator._partial.comm
-    if async_save and not _threads_ok():
+def save_state(
+    comm: Comm,
+    objects: TrainingState,
+    output_dir: str | None,
+    *,
+    project: ProjectConfiguration | None = None,
+    saver: AsyncSaver | None = None,
+    async_save: bool = False,
+) -> str:
+    """Collective. Save `objects` (and each rank's RNG states) as a checkpoint committed
+    atomically, in `output_dir` or, with `project.automatic_checkpoint_naming`, the next
+    numbered directory of `project.project_dir` (older ones rotated: `total_limit`; then
+    `project.iteration` moves on). `async_save`: snapshot to host memory and write in the
+    background thread of `saver` (which a second save, and load_state, wait for). Returns
+    the directory."""
+    config = project if project is not None else ProjectConfiguration()
+    if saver is not None:
+        saver.wait()  # a second save waits for the first
+    if async_save and saver is None:
+        raise TypeError("save_state(async_save=True) needs an AsyncSaver (saver=)")
+    if async_save and not threads_ok():
         warnings.warn(
             "async_save needs MPI_THREAD_MULTIPLE; saving synchronously",
             MpaccelRuntimeWarning,
             stacklevel=3,
         )
         async_save = False
-    error: BaseException | None = None
-    directory = ""
-    shared: dict[str, Any] = {}
-    per_rank: dict[str, Any] = {}
-    try:
-        directory = _resolve_output(accelerator, output_dir)
-        shared, per_rank = collect(accelerator)
+    with agreement(comm, _saving(output_dir), kind=CheckpointCollectiveError):
+        directory = resolve_output(config, output_dir)
+    with agreement(comm, _saving(directory), kind=CheckpointCollectiveError):
+        shared, per_rank = collect(comm, objects)
         if async_save:  # copies in host memory: training may change the originals meanwhile
-            shared, per_rank = _snapshot(shared), _snapshot(per_rank)
-    except Exception as exc:
-        error = exc
-    target = directory or output_dir
-    named = f"checkpoint {target!r}" if target else "a checkpoint"
-    comm.agree(error, f"saving {named} (collecting the state)", kind=CheckpointCollectiveError)
+            shared, per_rank = snapshot(shared), snapshot(per_rank)
 
     # what the writer needs of the configuration, as it is now: in the background it would
     # read the next save's number (and whatever the caller changes meanwhile)
     metadata = {"kind": "state", "iteration": config.iteration}
     rotation = None
     if config.automatic_checkpoint_naming:
+        assert config.project_dir is not None  # resolve_output() refused it
         rotation = (config.project_dir, config.total_limit)
 
-    def write(comm: Any) -> None:
+    def write(comm: Comm) -> None:
         # Rotation deletes the oldest checkpoints before the new one is written (room for it,
         # as in Accelerate: a crash meanwhile leaves total_limit - 1, never more than the
         # limit), keeping the newest; then, once it is committed, whatever is over the limit
@@ -309,8 +227,8 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
         if rotation is not None:
             _rotate(comm, rotation, False, f"saving checkpoint {directory!r}")
 
-    if async_save:
-        background = saver.comm_for(accelerator)
+    if saver is not None and async_save:
+        background = saver.comm_for(comm)
         saver.start(lambda: write(background))
     else:
         write(comm)
@@ -319,19 +237,48 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
     return directory
 
 
-def node_share(accelerator: Any) -> tuple[int, int]:
-    """(index, count) of this rank among the ranks of its node (as discovery found them): they
-    read the same files through one page cache, so each verifies 1/count of the checksums."""
-    state = accelerator._partial
-    return state.local_process_index, state.process_info.local_num_processes
+def _saving(target: str | None) -> str:
+    named = f"checkpoint {target!r}" if target else "a checkpoint"
+    return f"saving {named} (collecting the state)"
 
 
 MODEL_LOAD_OPTIONS = ("strict", "assign")  # what torch's Module.load_state_dict takes
 
 
+def _find(config: ProjectConfiguration, input_dir: str | None) -> tuple[int | None, str]:
+    """(number or None, directory) of the checkpoint load_state(input_dir) reads: with no
+    input_dir, the latest complete one of the project (automatic naming)."""
+    if input_dir is not None:
+        return None, os.fspath(input_dir)
+    if not (config.automatic_checkpoint_naming and config.project_dir):
+        raise CheckpointError(
+            "load_state() needs an input_dir",
+            "pass one, or use ProjectConfiguration(automatic_checkpoint_naming=True) so "
+            "load_state() finds the latest complete checkpoint.",
+        )
+    latest = latest_checkpoint(config.project_dir)
+    if latest is None:
+        root = os.path.join(config.project_dir, "checkpoints")
+        raise CheckpointError(f"no complete checkpoint under {root!r}")
+    return latest
+
+
 def load_state(
-    accelerator: Any, input_dir: str | None, model_options: dict[str, Any] | None = None
+    comm: Comm,
+    objects: TrainingState,
+    input_dir: str | None,
+    *,
+    project: ProjectConfiguration | None = None,
+    saver: AsyncSaver | None = None,
+    model_options: dict[str, Any] | None = None,
+    node_share: tuple[int, int] = (0, 1),
 ) -> str:
+    """Collective. Give `objects` the states of the checkpoint in `input_dir` (None: the
+    latest complete one of `project`, whose iteration then follows it), all or nothing on
+    every rank. `model_options` go to the models' load_state_dict (strict, assign).
+    `node_share`: (index, count) of this rank among the ranks of its node, which read the
+    same files through one page cache: each verifies 1/count of the checksums. Returns the
+    directory."""
     model_options = dict(model_options or {})
     unknown = sorted(set(model_options) - set(MODEL_LOAD_OPTIONS))
     if unknown:
@@ -339,56 +286,57 @@ def load_state(
             f"load_state() got unexpected keyword argument(s) {unknown}: the keywords it passes "
             f"on to the models' load_state_dict are {list(MODEL_LOAD_OPTIONS)}"
         )
-    accelerator._async_saver.wait()
-    config = accelerator.project_configuration
-    comm = accelerator._partial.comm
+    if saver is not None:
+        saver.wait()
+    config = project if project is not None else ProjectConfiguration()
     limit = rawio.stall_limit(comm.default_timeout)
-    share = node_share(accelerator)
     strict = bool(model_options.get("strict", True))
-    named = [os.fspath(input_dir) if input_dir is not None else None]  # for the messages
+    named = os.fspath(input_dir) if input_dir is not None else None  # for the messages
+    with agreement(comm, f"loading checkpoint {named!r}", kind=CheckpointCollectiveError):
+        number, named = rawio.within(limit, "opening a checkpoint", lambda: _find(config, named))
+    opened: list[CheckpointReader] = []
 
-    def open_checkpoint() -> tuple[int | None, CheckpointReader]:
-        if input_dir is None:
-            if not (config.automatic_checkpoint_naming and config.project_dir):
-                raise CheckpointError(
-                    "load_state() needs an input_dir",
-                    "pass one, or use ProjectConfiguration(automatic_checkpoint_naming=True) so "
-                    "load_state() finds the latest complete checkpoint.",
-                )
-            latest = latest_checkpoint(config.project_dir)
-            if latest is None:
-                root = os.path.join(config.project_dir, "checkpoints")
-                raise CheckpointError(f"no complete checkpoint under {root!r}")
-            number, named[0] = latest
-        else:
-            number = None
-        return number, CheckpointReader(named[0] or "", STATE_STEM, share)
-
-    error: BaseException | None = None
-    try:
-        number, reader = rawio.within(limit, "opening a checkpoint", open_checkpoint)
-    except Exception as exc:
-        error = exc
-    what = f"loading checkpoint {named[0]!r}"
-    try:
-        comm.agree(error, what, kind=CheckpointCollectiveError)
-    except BaseException:
-        if error is None:  # this rank opened it; another one could not
+    def close() -> None:  # this rank opened it; another one could not
+        for reader in opened:
             reader.close()
-        raise
+
+    what = f"loading checkpoint {named!r}"
+    with agreement(comm, what, kind=CheckpointCollectiveError, cleanup=close):
+        opened.append(rawio.within(limit, "opening a checkpoint",
+                                   lambda: CheckpointReader(named or "", STATE_STEM, node_share)))
+    reader = opened[0]
+    loaded = _load(comm, objects, reader, what, limit, strict, node_share, model_options)
+    if number is not None:
+        config.iteration = number + 1
+    for note in loaded.notes if comm.rank == 0 else []:
+        warnings.warn(note, MpaccelRuntimeWarning, stacklevel=3)
+    return named or ""
+
+
+def _load(
+    comm: Comm,
+    objects: TrainingState,
+    reader: CheckpointReader,
+    what: str,
+    limit: float,
+    strict: bool,
+    node_share: tuple[int, int],
+    model_options: dict[str, Any],
+) -> Any:
+    """load_state() once every rank opened the checkpoint; closes the reader."""
     # All or nothing, on every rank. (1) read, verify and check everything, changing nothing
     # (the tensors that models and optimizers take in place are only verified in the files);
-    # all ranks agree. (2) hand their states to the schedulers, the scaler and the registered
-    # objects (whose own code may refuse them); all ranks agree. (3) read the tensors held back
-    # in (1) into the models and optimizers, then their load_state_dict; all ranks agree. (4)
-    # assign what (1) checked (RNG states, loader positions, step). A failure in (1) changed
-    # nothing; in (2) or (3), on any rank, every rank gives every object back the state it had
-    # (Rollback), all but the tensors read in place in (3): the warning says so.
+    # all ranks agree. (2) hand their states to the other Statefuls (schedulers, the scaler,
+    # registered objects, loader positions: their own code may refuse them); all ranks agree.
+    # (3) read the tensors held back in (1) into the models and optimizers, then their
+    # load_state_dict; all ranks agree. (4) set the RNG states (1) checked. A failure in (1)
+    # changed nothing; in (2) or (3), on any rank, every rank gives every object back the
+    # state it had (Rollback), all but the tensors read in place in (3): the warning says so.
     rollback = Rollback()
     abandoned = False  # a thread left in the kernel may still use the reader's files
     filled = False
 
-    def io(work: Any) -> Any:
+    def io(work: Callable[[], Any]) -> Any:
         nonlocal abandoned
         try:
             return rawio.within(limit, what, work)
@@ -399,24 +347,15 @@ def load_state(
     def fill() -> None:
         nonlocal filled
         filled = True
-        io(lambda: reader.fill(loaded.held, follow=share[0] > 0))
+        io(lambda: reader.fill(loaded.held, follow=node_share[0] > 0))
 
     try:
-        try:
-            loaded = io(lambda: read_back(accelerator, reader, comm.rank, strict))
-        except Exception as exc:
-            error = exc
-        comm.agree(error, what, kind=CheckpointCollectiveError)
-        try:
-            apply_states(accelerator, loaded, reader, rollback)
-        except Exception as exc:
-            error = exc
-        comm.agree(error, what, kind=CheckpointCollectiveError)
-        try:
-            apply_tensors(accelerator, loaded, reader, rollback, fill, model_options)
-        except Exception as exc:
-            error = exc
-        comm.agree(error, what, kind=CheckpointCollectiveError)
+        with agreement(comm, what, kind=CheckpointCollectiveError):
+            loaded = io(lambda: read_back(objects, reader, comm.rank, comm.size, strict))
+        with agreement(comm, what, kind=CheckpointCollectiveError):
+            apply_states(objects, loaded, reader, rollback)
+        with agreement(comm, what, kind=CheckpointCollectiveError):
+            apply_tensors(objects, loaded, reader, rollback, fill, model_options)
     except BaseException:
         problems = rollback.run()
         if filled:
@@ -429,17 +368,11 @@ def load_state(
                 f"{what} failed, and not everything could be given back the state it had: "
                 + "; ".join(problems),
                 MpaccelRuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         raise
     finally:
         if not abandoned:
             reader.close()
-    finish(accelerator, loaded)
-    if number is not None:
-        config.iteration = number + 1
-    for note in loaded.notes if accelerator.is_main_process else []:
-        warnings.warn(note, MpaccelRuntimeWarning, stacklevel=3)
-    for warning in loaded.warnings:
-        warnings.warn(warning, MpaccelRuntimeWarning, stacklevel=3)
-    return named[0] or ""
+    finish(loaded)
+    return loaded

@@ -4,7 +4,6 @@ h5py where it does not. storage.py writes what this reads."""
 
 from __future__ import annotations
 
-import bisect
 import functools
 import os
 from collections.abc import Mapping, Sequence
@@ -12,27 +11,24 @@ from typing import Any
 
 import h5py
 import numpy as np
-import torch
 import xxhash
 
 from . import rawio
 from .format import (
-    INDEX_DIGEST,
     CheckpointError,
     checksum,
     dataset_name,
-    dtype_name,
     flatten,
     from_numpy,
-    index_digest,
     storage_dtype,
-    to_numpy,
     unflatten,
 )
-from .index_check import parse_index, plain_name
-from .index_scan import MAX_INDEX_BYTES, IndexScanner
+from .index_check import plain_name
+from .index_read import read_index
+from .read_plan import Deferred, checksum_owners, claim, writable_view
 from .shard_check import DIRECTORY_FLAGS, check_file, descriptor_path, open_regular
 
+__all__ = ["CheckpointReader", "Deferred", "checksum_owners"]
 
 class CheckpointReader:
     """Read a committed checkpoint. Not collective; every read is checked against the index.
@@ -53,19 +49,10 @@ class CheckpointReader:
             raise CheckpointError(f"no checkpoint at {directory!r}: the directory does not exist")
         self._reset_files()
         try:
-            self.index = self._read_index()
+            self.index = read_index(self._directory_fd(), directory, stem)
         except BaseException:
             self.close()
             raise
-        saved = self.index.get(INDEX_DIGEST)  # (indexes of earlier versions have none)
-        if saved is not None and saved != index_digest(self.index):
-            self.close()
-            raise CheckpointError(
-                f"{_index_path(directory, stem)!r} does not match its checksum: the index (which "
-                "holds the state's non-tensor values: learning rates, steps, positions) was "
-                "changed after the save, or is corrupted",
-                "restore it from a copy, or load an earlier checkpoint.",
-            )
 
     def _reset_files(self) -> None:
         """No file open yet (the directory is opened on first use)."""
@@ -75,56 +62,6 @@ class CheckpointReader:
         self._sizes: dict[str, int] = {}  # their real sizes
         self._by_file: dict[str, list[tuple[str, Mapping[str, Any]]]] | None = None
         self._refused: dict[str, tuple[str, str | None]] = {}  # files check_file refused
-
-    def _read_index(self) -> dict[str, Any]:
-        """The index, read through checks (index_check.py): a regular file of bounded size,
-        read without following links and without blocking, nested and sized within bounds,
-        and of the index's schema."""
-        name = f"{self.stem}.index.json"
-        path = self._path(name)
-        try:
-            fd = open_regular(self._directory_fd(), self.directory, name)
-        except FileNotFoundError:
-            raise self._no_index() from None
-        try:
-            size = os.fstat(fd).st_size
-            if size > MAX_INDEX_BYTES:
-                raise CheckpointError(
-                    f"{path!r} holds {size} bytes, more than an index may ({MAX_INDEX_BYTES})",
-                    "the index was damaged or crafted; load another checkpoint.",
-                )
-            scanner, data = IndexScanner(path), bytearray()
-            while True:
-                chunk = os.read(fd, 4 << 20)
-                if not chunk:
-                    break
-                if len(data) + len(chunk) > MAX_INDEX_BYTES:  # it grew while being read
-                    raise CheckpointError(f"{path!r} holds more than {MAX_INDEX_BYTES} bytes")
-                scanner.feed(chunk)
-                data += chunk
-        except OSError as exc:
-            raise CheckpointError(f"cannot read {path!r}: {exc}") from exc
-        finally:
-            os.close(fd)
-        return parse_index(data, path)
-
-    def _no_index(self) -> CheckpointError:
-        directory, stem = self.directory, self.stem
-        kinds = {"model": "save_model", "state": "save_state"}
-        other = next(
-            (s for s in kinds if s != stem and os.path.isfile(_index_path(directory, s))), None
-        )
-        hint = "a save that was interrupted leaves no index; load the previous checkpoint."
-        if other is not None:
-            hint = f"it holds a {kinds[other]}() checkpoint ({other}.index.json): " + (
-                "load it with mpaccel.checkpoint.load_model_state(directory) and "
-                "model.load_state_dict()."
-                if other == "model"
-                else "load it with accelerator.load_state(directory)."
-            )
-        return CheckpointError(
-            f"{directory!r} holds no committed checkpoint: {stem}.index.json is missing", hint
-        )
 
     def close(self) -> None:
         files, self._files = list(self._files.values()), {}
@@ -444,8 +381,8 @@ class CheckpointReader:
             entry = entries.get(key)
             if entry is None:
                 raise CheckpointError(f"{self.directory!r}: the index names no tensor {key!r}")
-            view = _writable_view(targets.get(name), entry)
-            if view is not None and not _claim(claimed, view):
+            view = writable_view(targets.get(name), entry)
+            if view is not None and not claim(claimed, view):
                 view = None
             if view is not None:
                 reuse[key] = (targets[name], view)
@@ -546,70 +483,7 @@ class CheckpointReader:
             )
 
 
-class Deferred:
-    """In-place reads held back by read_arrays(defer=...) until CheckpointReader.fill(): (key,
-    entry, destination, verify, where its bytes are: (fd, offset) in the file, or an array
-    they were read into)."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, Mapping[str, Any], np.ndarray, bool, Any]] = []
-
-
 def _read_error(task: rawio.ReadTask, exc: BaseException) -> BaseException:
     if isinstance(exc, CheckpointError):
         return exc
     return CheckpointError(f"cannot read {task.key!r} from {task.path!r}: {exc}")
-
-
-def _index_path(directory: str, stem: str) -> str:
-    return os.path.join(directory, f"{stem}.index.json")
-
-
-def _writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:
-    """A numpy view of `tensor`'s memory if the entry's bytes can be read straight into it
-    (None for anything else: GPU, sparse, non-contiguous or uninitialized lazy tensors...)."""
-    if not isinstance(tensor, torch.Tensor) or torch.nn.parameter.is_lazy(tensor):
-        return None
-    try:
-        if (
-            tensor.device.type != "cpu"
-            or tensor.layout != torch.strided
-            or not tensor.is_contiguous()
-            or dtype_name(tensor.dtype) != entry["dtype"]
-            or list(tensor.shape) != entry["shape"]
-        ):
-            return None
-        view = to_numpy(tensor)
-    except Exception:
-        return None
-    if not view.flags.writeable or view.ctypes.data != tensor.data_ptr():
-        return None
-    return view
-
-
-def _claim(claimed: list[tuple[int, int]], view: np.ndarray) -> bool:
-    """Add the bytes of `view` to the sorted, disjoint (start, end) ranges of `claimed`, unless
-    they overlap one of them (then False)."""
-    start = view.ctypes.data
-    end = start + view.nbytes
-    i = bisect.bisect_left(claimed, (start, end))
-    if (i > 0 and claimed[i - 1][1] > start) or (i < len(claimed) and claimed[i][0] < end):
-        return False
-    claimed.insert(i, (start, end))
-    return True
-
-
-def checksum_owners(entries: Mapping[str, Mapping[str, Any]], count: int) -> dict[str, int]:
-    """{key: which of `count` readers verifies it}: the tensors in file order (file, offset),
-    cut into `count` runs of about equal bytes; a tensor belongs to the run holding its middle
-    byte. By bytes, not by number of tensors: a model's few large matrices and many small
-    vectors would otherwise leave one reader hashing most of the data while the others wait."""
-    order = sorted(entries, key=lambda k: (entries[k]["file"], entries[k].get("offset") or 0, k))
-    total = sum(int(entries[k].get("nbytes", 0)) for k in order)
-    owners, start = {}, 0
-    for key in order:
-        size = int(entries[key].get("nbytes", 0))
-        middle = start + size / 2
-        owners[key] = min(count - 1, int(middle * count / total)) if total else 0
-        start += size
-    return owners

@@ -1,0 +1,55 @@
+"""What save_state/load_state take: objects with state_dict()/load_state_dict() (the Stateful
+protocol of torch.distributed.checkpoint), by the name of their entry in the checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+def _empty() -> Mapping[str, Any]:
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingState:
+    """The objects of a training checkpoint, each under the name of its entry (the names are
+    the file format: docs/checkpoint-format.md). Entries are written in this order.
+
+    `models`: torch modules, unwrapped (stored once, with their buffers as rank 0 has them;
+    loaded in place, checked against the checkpoint first). `optimizers`: loaded in place too.
+    `shared`: any other Stateful whose state is the same on every rank (schedulers, the grad
+    scaler, registered objects, a step counter). `per_rank`: Statefuls whose state is each
+    rank's own (data loader positions); loaded at another world size, each takes rank 0's.
+    `gradients`: per-rank entry name -> model whose `.grad`s are saved (pass them only when
+    saving mid-accumulation; on load, the models to give them back to, at the same world size).
+    `optional`: names of `shared` a checkpoint may lack (left alone on load). The checkpoint
+    also holds each rank's RNG states (entry "rng") itself.
+    """
+
+    models: Mapping[str, torch.nn.Module] = dataclasses.field(default_factory=_empty)
+    optimizers: Mapping[str, torch.optim.Optimizer] = dataclasses.field(default_factory=_empty)
+    shared: Mapping[str, Stateful] = dataclasses.field(default_factory=_empty)
+    per_rank: Mapping[str, Stateful] = dataclasses.field(default_factory=_empty)
+    gradients: Mapping[str, torch.nn.Module] = dataclasses.field(default_factory=_empty)
+    optional: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        shared = [*self.models, *self.optimizers, *self.shared]
+        per_rank = ["rng", *self.per_rank, *self.gradients]
+        twice = sorted({n for names in (shared, per_rank) for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"TrainingState: two objects under each of the entry names {twice} (the shared "
+                "entries, and each rank's, need names of their own; 'rng' is the RNG states')"
+            )
