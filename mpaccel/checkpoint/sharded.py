@@ -401,10 +401,10 @@ def save_sharded(
     _check_same_on_every_rank(comm, what, local.documents, local.layout())
     if saver is None:
         return write_local(comm, directory, stem, local, metadata)
-    from . import _threads_ok
+    from .async_save import threads_ok
 
     saver.wait()
-    if not _threads_ok():
+    if not threads_ok():
         warnings.warn("async_save needs MPI_THREAD_MULTIPLE; saving synchronously",
                       MpaccelRuntimeWarning, stacklevel=2)
         return write_local(comm, directory, stem, local, metadata)
