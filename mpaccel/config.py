@@ -505,11 +505,6 @@ class DeepSpeedPlugin(_Refused):
     _hint = _DDP_INSTEAD
 
 
-class FullyShardedDataParallelPlugin(_Refused):
-    _engine = "FSDP (yet)"
-    _hint = _DDP_INSTEAD
-
-
 class MegatronLMPlugin(_Refused):
     _engine = "Megatron-LM"
     _hint = _DDP_INSTEAD
@@ -517,9 +512,4 @@ class MegatronLMPlugin(_Refused):
 
 class TorchTensorParallelPlugin(_Refused):
     _engine = "tensor parallelism"
-    _hint = _DDP_INSTEAD
-
-
-class ParallelismConfig(_Refused):
-    _engine = "composable parallelism (tensor, context, sharded data parallel)"
     _hint = _DDP_INSTEAD

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import _env, distributed, lifecycle
+from . import _env, distributed, lifecycle, sharding
 from .comm import Comm, agreement
 from .config import (
     DistributedType,
@@ -392,10 +392,8 @@ def _required_index(value: int | None, method: str, name: str) -> int:
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 _ENGINES = {
     "deepspeed_plugin": "DeepSpeed",
-    "fsdp_plugin": "FSDP (yet)",
     "torch_tp_plugin": "tensor parallelism",
     "megatron_lm_plugin": "Megatron-LM",
-    "parallelism_config": "composable parallelism (ParallelismConfig)",
 }
 
 
@@ -409,9 +407,12 @@ class AcceleratorState:
     """PartialState plus the training configuration (mixed precision, plugins). Shared state.
 
     Process facts and process control are PartialState's, reached through this object.
-    `dynamo_plugin` is the TorchDynamoPlugin prepared models are compiled with; the plugins of
-    engines mpaccel does not drive (DeepSpeed, FSDP, Megatron-LM, tensor parallelism,
-    ParallelismConfig) must be None: anything else is a ConfigurationError.
+    `dynamo_plugin` is the TorchDynamoPlugin prepared models are compiled with. With an
+    `fsdp_plugin` (or ACCELERATE_USE_FSDP=true) models are fully sharded: `distributed_type` is
+    FSDP and `device_mesh` the mesh they are sharded over (built collectively here; its shape
+    from `parallelism_config`, else from the nodes for HYBRID_SHARD). The plugins of engines
+    mpaccel does not drive (DeepSpeed, Megatron-LM, tensor parallelism) must be None: anything
+    else is a ConfigurationError.
     """
 
     _shared_state: dict[str, Any] = {}
@@ -432,10 +433,8 @@ class AcceleratorState:
         self.__dict__ = self._shared_state
         for name, plugin in (
             ("deepspeed_plugin", deepspeed_plugin),
-            ("fsdp_plugin", fsdp_plugin),
             ("torch_tp_plugin", torch_tp_plugin),
             ("megatron_lm_plugin", megatron_lm_plugin),
-            ("parallelism_config", parallelism_config),
         ):
             if plugin is not None:
                 raise ConfigurationError(
@@ -443,8 +442,10 @@ class AcceleratorState:
                     "mpaccel trains with DistributedDataParallel (every rank holds the whole "
                     f"model): drop {name}= and prepare() the model as it is.",
                 )
+        explicit_fsdp = fsdp_plugin
         try:  # the variable's error names it; raised on every rank (PartialState.__init__)
             requested = mixed_precision or _env.get_choice("mixed_precision")
+            fsdp_plugin = sharding.choose_plugin(fsdp_plugin, parallelism_config)
         except ConfigurationError as exc:
             _discover(DEFAULT_TIMEOUT, exc)
             raise
@@ -469,18 +470,32 @@ class AcceleratorState:
                     f"{requested!r}",
                     "create the Accelerator once, or call AcceleratorState._reset_state() first.",
                 )
+            current = self.__dict__.get("fsdp_plugin")
+            if explicit_fsdp is not None and explicit_fsdp is not current:
+                raise ConfigurationError(
+                    "AcceleratorState was already initialised "
+                    + ("without an fsdp_plugin" if current is None else "with another fsdp_plugin"),
+                    "create the Accelerator once, or call AcceleratorState._reset_state() first.",
+                )
             if _from_accelerator:
                 self._from_accelerator = True
             return
+        mixed = requested or "no"
+        mesh = None
+        if fsdp_plugin is not None:
+            if mixed in ("bf16", "fp16"):
+                fsdp_plugin.set_mixed_precision(mixed)
+            mesh = sharding.build_mesh(partial, fsdp_plugin, parallelism_config)
+            self.distributed_type = DistributedType.FSDP
         self._partial = partial
-        self._mixed_precision: str = requested or "no"
+        self._mixed_precision: str = mixed
         self.dynamo_plugin = dynamo_plugin if dynamo_plugin is not None else TorchDynamoPlugin()
         self.deepspeed_plugins: dict[str, Any] = {}
-        self.fsdp_plugin = None
+        self.fsdp_plugin = fsdp_plugin
         self.torch_tp_plugin = None
         self.megatron_lm_plugin = None
-        self.parallelism_config = None
-        self.device_mesh = None  # no composable parallelism: no mesh
+        self.parallelism_config = parallelism_config
+        self.device_mesh = mesh  # FSDP's mesh; None without FSDP
         self._from_accelerator = _from_accelerator
 
     def __getattr__(self, name: str) -> Any:
@@ -501,8 +516,8 @@ class AcceleratorState:
 
     @property
     def is_fsdp2(self) -> bool:
-        """Always False: mpaccel does not shard models (yet)."""
-        return False
+        """Whether models are fully sharded (mpaccel's FSDP is always torch's FSDP2)."""
+        return self.__dict__.get("fsdp_plugin") is not None
 
     # The process-control methods and facts Accelerate's AcceleratorState has are defined here,
     # so that the class has them (help, inspect.signature, hasattr on the class); the rest of

@@ -10,14 +10,12 @@ from ..config import (
     DistributedDataParallelKwargs,
     DistributedType,
     DynamoBackend,
-    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
     LoggerType,
     MegatronLMPlugin,
-    ParallelismConfig,
     PrecisionType,
     ProfileKwargs,
     ProjectConfiguration,
@@ -25,6 +23,13 @@ from ..config import (
     SageMakerDistributedType,
     TorchDynamoPlugin,
     TorchTensorParallelPlugin,
+)
+from ..config_fsdp import (
+    FSDPAutoWrapPolicy,
+    FSDPShardingStrategy,
+    FSDPStateDictType,
+    FullyShardedDataParallelPlugin,
+    ParallelismConfig,
 )
 
 __all__ = [
@@ -36,6 +41,9 @@ __all__ = [
     "DistributedDataParallelKwargs",
     "DistributedType",
     "DynamoBackend",
+    "FSDPAutoWrapPolicy",
+    "FSDPShardingStrategy",
+    "FSDPStateDictType",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
