@@ -22,8 +22,6 @@ from .config import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
-    DistributedType,
-    DynamoBackend,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -34,6 +32,10 @@ from .config import (
 )
 from .data import PreparedLoader, skip_first_batches
 from .device import release_memory
+from .enums import (
+    DistributedType,
+    DynamoBackend,
+)
 from .errors import ConfigurationError, MpaccelRuntimeWarning, MpaccelWarning
 from .prepare import agreed_seed
 from .prepare import build as build_prepared

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _env
-from .config import KwargsHandler, _Names
+from .config import KwargsHandler
+from .enums import _Names
 from .errors import ConfigurationError, MpaccelWarning
 
 

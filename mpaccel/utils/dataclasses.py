@@ -1,26 +1,18 @@
 """Accelerate's module path for its configuration classes (`accelerate.utils.dataclasses`): the
-same objects as mpaccel.config."""
+same objects as mpaccel.config, mpaccel.enums and mpaccel.config_fsdp."""
 
 from ..config import (
     AutocastKwargs,
-    ComputeEnvironment,
     DataLoaderConfiguration,
-    DDPCommunicationHookType,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
-    DistributedType,
-    DynamoBackend,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
-    LoggerType,
     MegatronLMPlugin,
-    PrecisionType,
     ProfileKwargs,
     ProjectConfiguration,
-    RNGType,
-    SageMakerDistributedType,
     TorchDynamoPlugin,
     TorchTensorParallelPlugin,
 )
@@ -30,6 +22,16 @@ from ..config_fsdp import (
     FSDPStateDictType,
     FullyShardedDataParallelPlugin,
     ParallelismConfig,
+)
+from ..enums import (
+    ComputeEnvironment,
+    DDPCommunicationHookType,
+    DistributedType,
+    DynamoBackend,
+    LoggerType,
+    PrecisionType,
+    RNGType,
+    SageMakerDistributedType,
 )
 
 __all__ = [
