@@ -139,8 +139,9 @@ def main() -> None:
         mean = accelerator.reduce(total_loss / len(loader), "mean").item()
         accelerator.print(f"epoch {epoch} loss {mean:.4f} perplexity {math.exp(mean):.2f}")
     state = accelerator.get_state_dict(model)  # whole tensors, on rank 0
-    values = sum(v.numel() for v in state.values())  # 0 on the other ranks
-    accelerator.print(f"full state dict: {len(state)} tensors, {values} values")
+    if accelerator.is_main_process:  # the other ranks' are empty
+        values = sum(v.numel() for v in state.values())
+        print(f"full state dict: {len(state)} tensors, {values} values")
     accelerator.print(f"done in {time.perf_counter() - start:.1f} s")
     accelerator.end_training()
 
