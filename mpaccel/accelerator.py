@@ -485,6 +485,8 @@ class Accelerator:
         if self.state.fsdp_plugin is not None:  # the optimizers must not pin the whole tensors
             optimizers = [getattr(o, "optimizer", o) for o in args if _is_optimizer(o)]
             models = [m for m in args if isinstance(m, torch.nn.Module)]
+            if not models:
+                sharding.check_optimizers(optimizers, self._models)
             detached = sharding.detach_optimizers(models, optimizers)
         for index, obj in enumerate(args):  # schedulers need the prepared optimizers first
             if isinstance(obj, kinds):

@@ -149,6 +149,26 @@ def shard_model(
     return model
 
 
+def check_optimizers(
+    optimizers: Iterable[torch.optim.Optimizer], prepared: Iterable[torch.nn.Module]
+) -> None:
+    """Not collective (the same on every rank). An optimizer prepared without its model must
+    already hold the sharded parameters of prepared models (built after prepare(model)); one
+    over the whole tensors of before would train nothing."""
+    known = {id(p) for model in prepared for p in model.parameters()}
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        stale = sum(id(p) not in known for p in params)
+        if stale:
+            raise ConfigurationError(
+                f"{type(optimizer).__name__} was passed to prepare() without its model, and "
+                f"{stale} of its {len(params)} parameters belong to no prepared (sharded) model",
+                "pass the model and its optimizer to the same prepare() call (as Accelerate "
+                "requires under FSDP2), or build the optimizer over the prepared model's "
+                "parameters.",
+            )
+
+
 def detach_optimizers(
     models: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer]
 ) -> list[tuple[torch.nn.Module, list[list[Any]]]]:

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from mpaccel import Accelerator, AcceleratorState
 from mpaccel.errors import CollectiveError, ConfigurationError, MpaccelWarning
 from mpaccel.testing import reset_state
-from mpaccel.utils import DistributedType, FullyShardedDataParallelPlugin
+from mpaccel.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 WIDTH = 10  # rows split 10 | 5/5 | 4/4/2 | 3/3/3/1: uneven at 3 and 4
@@ -164,6 +164,17 @@ def test_no_sync_holds_gradients_back_until_the_synchronising_backward(comm):
     assert all(isinstance(p.grad, DTensor) for p in model.parameters())
 
 
+def test_an_optimizer_prepared_apart_must_hold_the_shards(comm):
+    acc = _fresh()
+    model = Tiny()
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = acc.prepare(model)
+    with pytest.raises(ConfigurationError, match=r"(?s)without its model.*HINT: pass the model"):
+        acc.prepare(stale)
+    fresh = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))  # built after: fine
+    assert all(isinstance(p, DTensor) for p in fresh.param_groups[0]["params"])
+
+
 def test_get_state_dict_is_full_on_rank_0_only_by_default(comm):
     acc = _fresh()
     model = acc.prepare(Tiny())
@@ -199,6 +210,7 @@ def test_activation_checkpointing_and_size_policy_train_the_same(comm):
         FullyShardedDataParallelPlugin(auto_wrap_policy="size_based_wrap", min_num_params=50),
         FullyShardedDataParallelPlugin(auto_wrap_policy=lambda m: isinstance(m, Block)),
         FullyShardedDataParallelPlugin(reshard_after_forward=False),
+        _plugin(sharding_strategy="HYBRID_SHARD"),
     ):
         acc = _fresh(fsdp_plugin=plugin)
         model, _, losses, _ = _train(acc, 1, epochs=1)
@@ -262,6 +274,30 @@ def test_hybrid_shard_mesh_is_nodes_by_ranks_per_node(comm, spelling):
     assert tuple(mesh.shape) == (state.num_nodes, acc.num_processes // state.num_nodes)
     assert mesh["dp_shard"].get_local_rank() == state.local_process_index
     assert mesh["dp_replicate"].get_local_rank() == state.node_index
+
+
+def test_parallelism_config_replicates_and_trains_the_same(comm):
+    # At even sizes a true HSDP mesh on one machine: 2 replicas, each sharded over n/2 ranks.
+    n = comm.size
+    shape = (2, n // 2) if n % 2 == 0 else (1, n)
+    reset_state()
+    acc = Accelerator(
+        fsdp_plugin=_plugin(),
+        parallelism_config=ParallelismConfig(dp_replicate_size=shape[0], dp_shard_size=shape[1]),
+    )
+    assert tuple(acc.torch_device_mesh.shape) == shape
+    model, _, losses, _ = _train(acc, 1, epochs=1)
+    _, ref_losses, _ = _reference(_data(), 1, epochs=1)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    rows = model.embed.weight.to_local().shape[0]
+    assert rows == math.ceil(WIDTH / shape[1]) or comm.rank % shape[1] == shape[1] - 1
+    reset_state()
+    with pytest.raises(CollectiveError, match=f"makes a mesh of {n + 1} ranks; the job has {n}"):
+        Accelerator(fsdp_plugin=_plugin(),
+                    parallelism_config=ParallelismConfig(dp_replicate_size=1, dp_shard_size=n + 1))
+    reset_state()
+    with pytest.raises(ConfigurationError, match="no fsdp_plugin"):
+        Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2))
 
 
 def test_full_shard_mesh_is_every_rank(comm):
