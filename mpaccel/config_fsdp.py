@@ -158,11 +158,15 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
         if isinstance(version, str) and version.strip().isdigit():
             version = int(version)
         if version != 2:
+            source = (
+                "" if self.fsdp_version is not None else f" (from FSDP_VERSION={version!r})"
+            )
             raise ConfigurationError(
-                f"FullyShardedDataParallelPlugin(fsdp_version={version!r}): mpaccel drives FSDP2 "
-                "(torch's fully_shard) only",
-                "pass fsdp_version=2 (or leave it unset) and unset FSDP_VERSION=1; the other "
-                "fields keep Accelerate's meanings (docs/training.md).",
+                f"FullyShardedDataParallelPlugin(fsdp_version={version!r}){source}: mpaccel "
+                "drives FSDP2 (torch's fully_shard) only",
+                ("pass fsdp_version=2, or leave it unset" if not source else
+                 "set FSDP_VERSION=2 (accelerate config: fsdp_version: 2), or unset it")
+                + "; the other fields keep Accelerate's meanings (docs/training.md).",
             )
         self.fsdp_version = 2
         self._drop_fsdp1_fields()

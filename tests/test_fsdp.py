@@ -311,7 +311,7 @@ def test_plugin_fields_and_variables(comm, monkeypatch):
     with pytest.raises(ConfigurationError, match=r"(?s)FSDP2.*HINT"):
         FullyShardedDataParallelPlugin(fsdp_version=1)
     monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(ConfigurationError, match=r"fsdp_version=1\b"):
+    with pytest.raises(ConfigurationError, match=r"fsdp_version=1\) \(from FSDP_VERSION=1\)"):
         FullyShardedDataParallelPlugin()
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
