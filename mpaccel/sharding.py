@@ -72,13 +72,10 @@ def build_mesh(
 
 
 def _fingerprint(model: torch.nn.Module) -> str:
-    return hashlib.sha1(repr(fsdp_structure(model)).encode()).hexdigest()
-
-
-def fsdp_structure(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """A digest of the model's state-dict names, shapes and dtypes, to compare across ranks."""
     from . import fsdp
 
-    return fsdp.structure(model)
+    return hashlib.sha1(repr(fsdp.structure(model)).encode()).hexdigest()
 
 
 def _check_model(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, rank: int) -> None:

@@ -253,6 +253,15 @@ def test_a_model_on_the_meta_device_is_one_collective_error(comm):
     assert "cpu_ram_efficient_loading" in str(info.value)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_models_that_differ_between_ranks_are_refused_on_every_rank(comm):
+    acc = _fresh()
+    last = acc.num_processes - 1
+    model = torch.nn.Linear(6, 3) if acc.process_index == last else Tiny()
+    with pytest.raises(ConfigurationError, match=rf"differs between ranks: ranks \[{last}\]"):
+        acc.prepare(model)
+
+
 def test_unmatched_class_names_warn_naming_the_classes_found(comm):
     acc = _fresh(fsdp_plugin=_plugin(transformer_cls_names_to_wrap=["DecoderLayer"]))
     with warnings.catch_warnings(record=True) as caught:
