@@ -940,11 +940,13 @@ class Accelerator:
         return [self._models[i] for i in kept]
 
     def _checkpoint_objects(
-        self, models: list[torch.nn.Module], gradients: bool
+        self, models: list[torch.nn.Module], gradients: bool, loading: bool = False
     ) -> checkpoint.TrainingState:
         """What save_state/load_state hand the checkpoint, under the names of its entries:
         `models` (what the pre-hooks left), then everything else prepared or registered;
-        with `gradients`, the models' gradients per rank."""
+        with `gradients`, the models' gradients per rank. Fully sharded models and their
+        optimizers are `sharded` entries (each rank stores its rows); their gradients are not
+        saved. `loading`: a fresh optimizer over shards gets its state created to load into."""
         unwrapped = [self.unwrap_model(model) for model in models]
         shared: dict[str, checkpoint.Stateful] = {
             f"scheduler_{i}": sched for i, sched in enumerate(self._schedulers)
@@ -953,13 +955,23 @@ class Accelerator:
             shared["scaler"] = self.scaler
         shared.update({f"custom_{i}": obj for i, obj in enumerate(self._custom_objects)})
         shared["accelerator"] = _AccumulationStep(self)
+        named = {f"model_{i}": module for i, module in enumerate(unwrapped)}
+        sharded: dict[str, Any] = {
+            name: module for name, module in named.items() if fsdp.fsdp_module(module) is not None
+        }
+        optimizers = {f"optimizer_{i}": opt for i, opt in enumerate(self._optimizers)}
+        if sharded:  # prepare() built every optimizer over the shards
+            sharded.update({name: fsdp.OptimizerState(opt, create=loading)
+                            for name, opt in optimizers.items()})
         return checkpoint.TrainingState(
-            models={f"model_{i}": module for i, module in enumerate(unwrapped)},
-            optimizers={f"optimizer_{i}": opt for i, opt in enumerate(self._optimizers)},
+            models={name: m for name, m in named.items() if name not in sharded},
+            optimizers={name: o for name, o in optimizers.items() if name not in sharded},
             shared=shared,
             per_rank={f"dataloader_{i}": loader for i, loader in enumerate(self._dataloaders)},
-            gradients={f"gradients_{i}": m for i, m in enumerate(unwrapped)} if gradients else {},
+            gradients={n.replace("model", "gradients"): m for n, m in named.items()
+                       if n not in sharded} if gradients else {},
             optional=frozenset({"scaler"}),
+            sharded=sharded,
         )
 
     def save_state(
@@ -1034,15 +1046,22 @@ class Accelerator:
                 listed,
                 "load_state (pre-hooks)",
             )
-        return checkpoint.load_state(
-            self._partial.comm,
-            self._checkpoint_objects(models, gradients=True),
-            input_dir,
-            project=self.project_configuration,
-            saver=self._async_saver,
-            model_options=load_model_func_kwargs,
-            node_share=(self.local_process_index, self._partial.local_num_processes),
-        )
+        objects = self._checkpoint_objects(models, gradients=True, loading=True)
+        try:
+            return checkpoint.load_state(
+                self._partial.comm,
+                objects,
+                input_dir,
+                project=self.project_configuration,
+                saver=self._async_saver,
+                model_options=load_model_func_kwargs,
+                node_share=(self.local_process_index, self._partial.local_num_processes),
+            )
+        except BaseException:  # a fresh optimizer is fresh again
+            for obj in objects.sharded.values():
+                if isinstance(obj, fsdp.OptimizerState):
+                    obj.undo()
+            raise
 
     def wait_for_checkpoint(self) -> None:
         """Collective in effect: block until an async save is committed (re-raises its error)."""

@@ -47,11 +47,11 @@ from .format import (
     to_numpy,
 )
 from .storage import (
-    _check_same_on_every_rank,
-    _fsync_path,
-    _make_directory,
-    _remove,
-    _write_h5,
+    check_same_on_every_rank,
+    fsync_path,
+    make_directory,
+    remove_files,
+    write_h5,
     remove_stale,
     write_index,
 )
@@ -193,7 +193,7 @@ def rows_per_block(array: np.ndarray) -> int:
 
 def _write_rank_file(path: str, local: LocalState) -> tuple[dict[str, dict], int]:
     """This rank's file: its rows of every tensor; returns {key: slice entry} and its size."""
-    entries, size = _write_h5(path, local.arrays, local.dtypes)
+    entries, size = write_h5(path, local.arrays, local.dtypes)
     slices = {}
     for key, array in local.arrays.items():
         entry = entries[key]
@@ -281,7 +281,7 @@ def commit(comm: Comm, directory: str, stem: str, what: str, limit: float,
         assert index is not None
         write_index(directory, stem, index)
         committed = True  # from here on, a failure must not take its files away
-        _fsync_path(directory)
+        fsync_path(directory)
         remove_stale(directory, stem, index)
 
     if comm.rank == 0 and error is None:
@@ -297,7 +297,7 @@ def commit(comm: Comm, directory: str, stem: str, what: str, limit: float,
         comm.agree(error, what + " (committing the index)", kind=CheckpointCollectiveError)
     except Exception:
         if committed is False:
-            _remove(written)
+            remove_files(written)
         raise
 
 
@@ -310,7 +310,7 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
     error: BaseException | None = None
     if comm.rank == 0:
         try:
-            rawio.within(limit, what, lambda: _make_directory(directory))
+            rawio.within(limit, what, lambda: make_directory(directory))
         except rawio.StalledIOError as exc:
             error = exc
         except Exception as exc:
@@ -341,7 +341,7 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
         comm.agree(error, what + " (writing shards)", kind=CheckpointCollectiveError)
     except Exception:
         if not stalled:
-            _remove(written)
+            remove_files(written)
         raise
 
     gathered = comm.allgather((slices, sizes), what=what)
@@ -398,7 +398,7 @@ def save_sharded(
     except Exception as exc:
         error = exc
     comm.agree(error, what + " (collecting the state)", kind=CheckpointCollectiveError)
-    _check_same_on_every_rank(comm, what, local.documents, local.layout())
+    check_same_on_every_rank(comm, what, local.documents, local.layout())
     if saver is None:
         return write_local(comm, directory, stem, local, metadata)
     from .async_save import threads_ok

@@ -41,10 +41,10 @@ from .format import (
 from .sharded import LocalState, collect_local, commit, row_count
 from .sink import ErrorKeepingFile
 from .storage import (
-    _check_same_on_every_rank,
-    _contiguous_early,
-    _make_directory,
-    _remove,
+    check_same_on_every_rank,
+    contiguous_early,
+    make_directory,
+    remove_files,
     plan_shards,
 )
 
@@ -66,7 +66,7 @@ def _lay_out(path: str, keys: list[str], local: LocalState) -> dict[str, int | N
             for key in keys:
                 shape = local.rows[key].shape
                 ds = f.create_dataset(key, shape=shape, dtype=local.stored[key],
-                                      dcpl=_contiguous_early())
+                                      dcpl=contiguous_early())
                 ds.attrs["torch_dtype"] = local.dtypes[key]
                 offset = ds.id.get_offset()
                 if offset is None and _nbytes(local, key):
@@ -148,7 +148,7 @@ def _step(comm: Comm, what: str, step: str, limit: float, work: Any,
     try:
         comm.agree(error, f"{what} ({step})", kind=CheckpointCollectiveError)
     except Exception:
-        _remove(written)
+        remove_files(written)
         raise
 
 
@@ -172,7 +172,7 @@ def export_full(
     except Exception as exc:
         error = exc
     comm.agree(error, what + " (collecting the state)", kind=CheckpointCollectiveError)
-    _check_same_on_every_rank(comm, what, local.documents, local.layout())
+    check_same_on_every_rank(comm, what, local.documents, local.layout())
     keys = list(local.rows)
     shards = plan_shards([(k, _nbytes(local, k)) for k in keys], None, max_bytes)
     shards = [shard for shard in shards if shard]
@@ -180,7 +180,7 @@ def export_full(
     limit = rawio.stall_limit(comm.default_timeout)
     written: list[str] = []
     _step(comm, what, "creating the directory", limit,
-          lambda: _make_directory(directory) if comm.rank == 0 else None, written)
+          lambda: make_directory(directory) if comm.rank == 0 else None, written)
 
     names = [f"{MODEL_STEM}-{save_id}-{i + 1:05d}-of-{len(shards):05d}.h5"
              for i in range(len(shards))]

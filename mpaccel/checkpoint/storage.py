@@ -74,14 +74,14 @@ def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes:
     return shards
 
 
-def _remove(paths: list[str]) -> None:
+def remove_files(paths: list[str]) -> None:
     for path in paths:
         for candidate in (path, f"{path}.partial"):
             if os.path.exists(candidate):
                 os.remove(candidate)
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -89,7 +89,7 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _make_directory(directory: str) -> None:
+def make_directory(directory: str) -> None:
     """makedirs, then fsync the parent of every directory it created (each gained an entry
     that must survive a power loss along with the checkpoint)."""
     created = []
@@ -100,7 +100,7 @@ def _make_directory(directory: str) -> None:
             path = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         for path in reversed(created):
-            _fsync_path(os.path.dirname(path))
+            fsync_path(os.path.dirname(path))
 
 
 def _layout(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict:
@@ -134,7 +134,7 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
     return None if a == b else (path or "/")
 
 
-def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dict) -> None:
+def check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dict) -> None:
     """Collective. The shared state must have one layout on every rank: else every rank raises
     the same CollectiveError naming the ranks whose tensors differ from rank 0's, and the keys.
     Non-tensor values that differ are saved as rank 0 has them, with a warning naming the first
@@ -176,7 +176,7 @@ def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dic
                     break
 
 
-def _contiguous_early() -> h5py.h5p.PropDCID:
+def contiguous_early() -> h5py.h5p.PropDCID:
     """Dataset creation properties: one contiguous extent, allocated when the dataset is created
     (so its file offset is known before any data is written), never filled."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -186,7 +186,7 @@ def _contiguous_early() -> h5py.h5p.PropDCID:
     return dcpl
 
 
-def _write_h5(
+def write_h5(
     path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]
 ) -> tuple[dict, int]:
     """Write datasets to `path` atomically (temp name, fsync, rename). Returns their index
@@ -207,7 +207,7 @@ def _write_h5(
             for key, array in arrays.items():
                 # Contiguous, uncompressed: chunking or compression would cost speed.
                 ds = f.create_dataset(
-                    key, shape=array.shape, dtype=array.dtype, dcpl=_contiguous_early()
+                    key, shape=array.shape, dtype=array.dtype, dcpl=contiguous_early()
                 )
                 ds.attrs["torch_dtype"] = dtypes[key]
                 offset = ds.id.get_offset()
@@ -275,14 +275,14 @@ def write_checkpoint(
     except Exception as exc:
         error = exc
     comm.agree(error, what + " (collecting the state)", kind=CheckpointCollectiveError)
-    _check_same_on_every_rank(comm, what, documents, _layout(arrays, dtypes))
+    check_same_on_every_rank(comm, what, documents, _layout(arrays, dtypes))
 
     save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
     limit = rawio.stall_limit(comm.default_timeout)
     error = None
     if comm.rank == 0:
         try:
-            rawio.within(limit, what, lambda: _make_directory(directory))
+            rawio.within(limit, what, lambda: make_directory(directory))
         except rawio.StalledIOError as exc:
             error = exc
         except Exception as exc:
@@ -303,14 +303,14 @@ def write_checkpoint(
             name = f"{stem}-{save_id}-{shard_no + 1:05d}-of-{total:05d}.h5"
             path = os.path.join(directory, name)
             written.append(path)
-            shard_entries, sizes[name] = _write_h5(
+            shard_entries, sizes[name] = write_h5(
                 path, {k: arrays[k] for k in shards[shard_no]}, dtypes
             )
             entries.update(shard_entries)
         if per_rank is not None:
             rank_file = f"{stem}-{save_id}-rank{comm.rank:05d}.h5"
             written.append(os.path.join(directory, rank_file))
-            rank_entries, sizes[rank_file] = _write_h5(
+            rank_entries, sizes[rank_file] = write_h5(
                 os.path.join(directory, rank_file), rank_arrays, rank_dtypes
             )
 
@@ -329,7 +329,7 @@ def write_checkpoint(
         comm.agree(error, what + " (writing shards)", kind=CheckpointCollectiveError)
     except Exception:
         if not stalled:  # (the thread left writing owns its files)
-            _remove(written)  # every rank drops its files of a save that will not be committed
+            remove_files(written)  # every rank drops its files of a save that will not be committed
         raise
 
     gathered = comm.allgather(
@@ -364,7 +364,7 @@ def write_checkpoint(
         nonlocal committed
         write_index(directory, stem, index)
         committed = True  # from here on, a failure must not take its files away
-        _fsync_path(directory)
+        fsync_path(directory)
         remove_stale(directory, stem, index)
 
     if comm.rank == 0:
@@ -380,7 +380,7 @@ def write_checkpoint(
         comm.agree(error, what + " (committing the index)", kind=CheckpointCollectiveError)
     except Exception:
         if committed is False:  # a save that will never be loaded: its files go
-            _remove(written)
+            remove_files(written)
         raise
     return index
 
@@ -400,7 +400,7 @@ def write_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
         watch.check()  # a commit given up on (see rawio.within) must not happen behind it
         os.replace(temp, final)
     except BaseException:
-        _remove([temp])
+        remove_files([temp])
         raise
 
 
@@ -413,7 +413,7 @@ def delete_checkpoint(directory: str, stem: str) -> None:
     except FileNotFoundError:
         pass
     else:
-        _fsync_path(directory)
+        fsync_path(directory)
     shutil.rmtree(directory, ignore_errors=True)
 
 
