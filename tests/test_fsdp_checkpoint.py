@@ -92,3 +92,149 @@ def test_resume_equals_uninterrupted_training(comm, mpi_tmp_path):
     state = json.loads((mpi_tmp_path / "ckpt" / "state.index.json").read_text())
     assert state["metadata"]["sharded"] == index["save_id"]
     assert "model_0" not in state["components"]
+
+
+def _saved_then_loaded(mpi_tmp_path, save_sharded: bool, load_sharded: bool):
+    """Train two steps in one mode, save_state; load into a fresh job in the other mode."""
+    acc = _accelerator(sharded=save_sharded)
+    model, opt, loader, sched = _prepared(acc)
+    _steps(acc, model, opt, loader, sched, 2)
+    directory = acc.save_state(str(mpi_tmp_path / "ckpt"))
+    expected = _full(acc, model, opt)
+    acc = _accelerator(sharded=load_sharded)
+    model, opt, loader, sched = _prepared(acc, seed=7)
+    acc.load_state(directory)
+    _close(_full(acc, model, opt), expected)
+    return acc, model, opt
+
+
+def test_fsdp_checkpoint_loads_into_ddp_or_one_process(comm, mpi_tmp_path):
+    _saved_then_loaded(mpi_tmp_path, save_sharded=True, load_sharded=False)
+
+
+def test_ddp_checkpoint_loads_into_fsdp(comm, mpi_tmp_path):
+    acc, model, opt = _saved_then_loaded(mpi_tmp_path, save_sharded=False, load_sharded=True)
+    assert type(next(acc.unwrap_model(model).parameters())).__name__ == "DTensor"
+
+
+def test_a_shape_mismatch_is_one_error_naming_the_key_and_changes_nothing(comm, mpi_tmp_path):
+    acc = _accelerator()
+    model, opt, loader, sched = _prepared(acc)
+    _steps(acc, model, opt, loader, sched, 1)
+    directory = acc.save_state(str(mpi_tmp_path / "ckpt"))
+    acc = _accelerator()
+    other = Tiny(seed=3)
+    other.head = torch.nn.Linear(10, 2)  # 2 outputs where the checkpoint has 1
+    opt = torch.optim.AdamW(other.parameters(), lr=0.01)
+    other, opt = acc.prepare(other, opt)
+    before = _full(acc, other, opt)
+    with pytest.raises(CheckpointCollectiveError, match="head.weight") as info:
+        acc.load_state(directory)
+    assert f"rank(s) {', '.join(map(str, range(comm.size)))}" in str(info.value)
+    _close(_full(acc, other, opt), before)
+    assert not opt.state_dict()["state"]  # the fresh optimizer is fresh again
+
+
+def test_async_save_writes_the_state_of_the_moment(comm, mpi_tmp_path):
+    acc = _accelerator()
+    model, opt, loader, sched = _prepared(acc)
+    _steps(acc, model, opt, loader, sched, 1)
+    directory = acc.save_state(str(mpi_tmp_path / "ckpt"), async_save=True)
+    expected = _full(acc, model, opt)
+    _steps(acc, model, opt, loader, sched, 2)  # changes the shards while it writes
+    acc.wait_for_checkpoint()
+    acc = _accelerator()
+    model, opt, loader, sched = _prepared(acc, seed=7)
+    acc.load_state(directory)
+    _close(_full(acc, model, opt), expected)
+
+
+def test_save_model_writes_full_tensors_and_rotation_sees_fsdp_checkpoints(comm, mpi_tmp_path):
+    project = str(mpi_tmp_path / "project")
+    acc = _accelerator(project_config=ProjectConfiguration(
+        project_dir=project, automatic_checkpoint_naming=True, total_limit=2))
+    model, opt, loader, sched = _prepared(acc)
+    _steps(acc, model, opt, loader, sched, 1)
+    acc.save_model(model, str(mpi_tmp_path / "model"))
+    full = acc.get_state_dict(model, all_ranks=True)
+    saved = load_model_state(str(mpi_tmp_path / "model"))
+    _close(saved, {k: v for k, v in full.items()})
+    for _ in range(3):
+        acc.save_state()
+    names = sorted(os.listdir(os.path.join(project, "checkpoints")))
+    assert names == ["checkpoint_1", "checkpoint_2"]
+    acc.load_state()  # the latest
+
+
+# -- other world sizes, and a crash, in jobs of their own ----------------------------------------
+
+SCRIPT = textwrap.dedent('''
+    import os, signal, sys
+    import numpy as np, torch
+    sys.path.insert(0, TESTS_DIR)
+    import test_fsdp_checkpoint as t
+    from mpaccel.checkpoint import sharded
+    from mpaccel.utils import ProjectConfiguration
+
+    mode, directory = sys.argv[1], sys.argv[2]
+    reference = os.path.join(directory, "reference.npz")
+    project = ProjectConfiguration(project_dir=directory, automatic_checkpoint_naming=True)
+    if mode in ("save", "crash"):
+        acc = t._accelerator(project_config=project)
+        model, opt, loader, sched = t._prepared(acc)
+        t._steps(acc, model, opt, loader, sched, 2)
+        saved = t._full(acc, model, opt)
+        acc.save_state()
+        if acc.is_main_process:
+            np.savez(reference, **{k: v.numpy() for k, v in saved.items()})
+        if mode == "crash":
+            t._steps(acc, model, opt, loader, sched, 1)
+            if acc.process_index == 1:
+                write = sharded._write_rank_file
+
+                def crash(path, local):
+                    write(path, local)
+                    os.kill(os.getpid(), signal.SIGKILL)  # its file written, nothing committed
+
+                sharded._write_rank_file = crash
+            acc.save_state()
+    else:
+        expected = {k: torch.from_numpy(v) for k, v in np.load(reference).items()}
+        for fsdp in (True, False):  # into shards, then into DDP / one process
+            acc = t._accelerator(sharded=fsdp, project_config=project)
+            model, opt, loader, sched = t._prepared(acc, seed=7)
+            acc.load_state()
+            t._close(t._full(acc, model, opt), expected)
+            print("loaded", acc.num_processes, "fsdp" if fsdp else "plain", flush=True)
+''')
+
+
+def _script(tmp_path: Path) -> Path:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT.replace("TESTS_DIR", repr(str(Path(__file__).parent))))
+    return script
+
+
+@pytest.mark.mpi(size=1)  # nests mpiexec
+def test_saved_at_4_loads_at_1_2_3_and_5(tmp_path):
+    from mpaccel.testing import run_mpi
+
+    script = _script(tmp_path)
+    run_mpi([str(script), "save", str(tmp_path)], n=4, timeout=240).check()
+    for n in (1, 2, 3, 5):
+        run = run_mpi([str(script), "load", str(tmp_path)], n=n, timeout=240).check()
+        assert f"loaded {n} fsdp\nloaded {n} plain" in run.stdout[0], run.describe()
+
+
+@pytest.mark.mpi(size=1)  # nests mpiexec
+def test_a_rank_killed_during_a_sharded_save_leaves_the_last_checkpoint(tmp_path):
+    from mpaccel.testing import run_mpi
+
+    script = _script(tmp_path)
+    run = run_mpi([str(script), "crash", str(tmp_path)], n=2, timeout=240)
+    assert run.returncode != 0 and not run.timed_out, run.describe()
+    debris = os.listdir(tmp_path / "checkpoints" / "checkpoint_1")
+    assert any(name.startswith("sharded-") for name in debris)  # it got as far as its files
+    assert "state.index.json" not in debris
+    run = run_mpi([str(script), "load", str(tmp_path)], n=2, timeout=240).check()
+    assert "loaded 2 fsdp\nloaded 2 plain" in run.stdout[0], run.describe()
