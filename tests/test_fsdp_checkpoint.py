@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
 from torch.utils.data import DataLoader
 
 from mpaccel import Accelerator
 from mpaccel.checkpoint import CheckpointCollectiveError, load_model_state
 from mpaccel.testing import reset_state
 from mpaccel.utils import ProjectConfiguration
-
-from test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
 
 pytestmark = pytest.mark.mpi_timeout(300)
 
@@ -128,7 +127,7 @@ def test_a_shape_mismatch_is_one_error_naming_the_key_and_changes_nothing(comm, 
     opt = torch.optim.AdamW(other.parameters(), lr=0.01)
     other, opt = acc.prepare(other, opt)
     before = _full(acc, other, opt)
-    with pytest.raises(CheckpointCollectiveError, match="head.weight") as info:
+    with pytest.raises(CheckpointCollectiveError, match=r"head\.weight") as info:
         acc.load_state(directory)
     assert f"rank(s) {', '.join(map(str, range(comm.size)))}" in str(info.value)
     _close(_full(acc, other, opt), before)

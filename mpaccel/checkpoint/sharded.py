@@ -51,8 +51,8 @@ from .storage import (
     fsync_path,
     make_directory,
     remove_files,
-    write_h5,
     remove_stale,
+    write_h5,
     write_index,
 )
 

@@ -44,8 +44,8 @@ from .storage import (
     check_same_on_every_rank,
     contiguous_early,
     make_directory,
-    remove_files,
     plan_shards,
+    remove_files,
 )
 
 MODEL_STEM = "model"
