@@ -237,3 +237,29 @@ def test_a_rank_killed_during_a_sharded_save_leaves_the_last_checkpoint(tmp_path
     assert "state.index.json" not in debris
     run = run_mpi([str(script), "load", str(tmp_path)], n=2, timeout=240).check()
     assert "loaded 2 fsdp\nloaded 2 plain" in run.stdout[0], run.describe()
+
+
+def test_ckpt_ls_verify_and_export_see_both_parts(comm, mpi_tmp_path, capsys):
+    from mpaccel.checkpoint.cli import run_export, run_ls, run_verify
+
+    acc = _accelerator()
+    model, opt, loader, sched = _prepared(acc)
+    _steps(acc, model, opt, loader, sched, 1)
+    directory = acc.save_state(str(mpi_tmp_path / "ckpt"))
+    full = acc.get_state_dict(model, all_ranks=True)
+    if comm.rank != 0:
+        return
+    import argparse
+
+    import safetensors.torch
+
+    args = argparse.Namespace(directory=directory, stem=None, component=None,
+                              output=str(mpi_tmp_path / "model.safetensors"))
+    assert run_ls(args) == 0
+    listed = capsys.readouterr().out
+    assert "state checkpoint" in listed and "sharded checkpoint" in listed
+    assert "model_0/blocks.0.fc.weight" in listed
+    assert run_verify(args) == 0
+    assert " FAILED" not in capsys.readouterr().out
+    assert run_export(args) == 0
+    _close(safetensors.torch.load_file(args.output), full)
