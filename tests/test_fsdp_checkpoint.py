@@ -263,3 +263,33 @@ def test_ckpt_ls_verify_and_export_see_both_parts(comm, mpi_tmp_path, capsys):
     assert " FAILED" not in capsys.readouterr().out
     assert run_export(args) == 0
     _close(safetensors.torch.load_file(args.output), full)
+
+
+def test_accelerates_fsdp_helpers_save_load_and_merge(comm, mpi_tmp_path):
+    from mpaccel.utils import (
+        load_fsdp_model,
+        load_fsdp_optimizer,
+        merge_fsdp_weights,
+        save_fsdp_model,
+        save_fsdp_optimizer,
+    )
+
+    acc = _accelerator()
+    model, opt, loader, sched = _prepared(acc)
+    _steps(acc, model, opt, loader, sched, 1)
+    plugin, out = acc.state.fsdp_plugin, str(mpi_tmp_path / "out")
+    save_fsdp_model(plugin, acc, model, out)
+    save_fsdp_optimizer(plugin, acc, opt, model, out)
+    expected = _full(acc, model, opt)
+    full = acc.get_state_dict(model, all_ranks=True)
+    acc = _accelerator()
+    model, opt, loader, sched = _prepared(acc, seed=7)
+    load_fsdp_model(acc.state.fsdp_plugin, acc, model, out)
+    load_fsdp_optimizer(acc.state.fsdp_plugin, acc, opt, model, out)
+    _close(_full(acc, model, opt), expected)
+    if comm.rank == 0:
+        import safetensors.torch
+
+        path = merge_fsdp_weights(os.path.join(out, "pytorch_model_fsdp_0"),
+                                  str(mpi_tmp_path / "merged"))
+        _close(safetensors.torch.load_file(path), full)
