@@ -293,3 +293,18 @@ def test_accelerates_fsdp_helpers_save_load_and_merge(comm, mpi_tmp_path):
         path = merge_fsdp_weights(os.path.join(out, "pytorch_model_fsdp_0"),
                                   str(mpi_tmp_path / "merged"))
         _close(safetensors.torch.load_file(path), full)
+
+
+def test_plugin_fields_are_accelerates_in_its_order(comm):
+    import dataclasses
+    import inspect
+
+    from mpaccel.errors import ConfigurationError
+    from mpaccel.utils import FullyShardedDataParallelPlugin
+
+    accelerate = pytest.importorskip("accelerate.utils")
+    theirs = list(inspect.signature(accelerate.FullyShardedDataParallelPlugin).parameters)
+    assert [f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)] == theirs
+    with pytest.raises(ConfigurationError, match="activation_checkpointing_offload"):
+        FullyShardedDataParallelPlugin(activation_checkpointing=True,
+                                       activation_checkpointing_offload=True)
