@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, ops, preemption, tracking, training
+from .checkpoint.directories import agree_directory
 from .comm import agreement
 from .config import (
     AutocastKwargs,
@@ -928,6 +929,7 @@ class Accelerator:
     ) -> str:
         """Collective. Models, optimizers, schedulers, grad scaler, registered objects, and each
         rank's RNG states and dataloader positions, as an HDF5 checkpoint committed atomically.
+        Ranks that pass different directories use rank 0's (with a warning).
         With ProjectConfiguration(automatic_checkpoint_naming=True) the directory is
         project_dir/checkpoints/checkpoint_<n> and old ones are rotated (total_limit).
         async_save=True (keyword only) snapshots to host memory and writes in the background;
@@ -936,6 +938,8 @@ class Accelerator:
         honoured; `save_model_func_kwargs` (Accelerate passes them to DeepSpeed) are ignored.
         Hooks of register_save_state_pre_hook run first."""
         del safe_serialization, save_model_func_kwargs
+        if output_dir is not None:
+            output_dir, _ = agree_directory(self._partial.comm, output_dir, "save_state")
         models = self._models
         if self._save_model_state_pre_hook:
             directory = ""
@@ -962,13 +966,16 @@ class Accelerator:
     ) -> str:
         """Collective. Restore what save_state wrote (the latest complete checkpoint when
         input_dir is None and automatic naming is on). Works at another world size: shared
-        state loads anywhere; per-rank RNG states are then skipped, with a warning.
+        state loads anywhere; per-rank RNG states are then skipped, with a warning. Ranks that
+        pass different directories use rank 0's (with a warning).
 
         `load_model_func_kwargs` go to the models' load_state_dict (`strict=False`: keys may
         be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
         accepted and has nothing to act on: nothing is unpickled here. Hooks of
         register_load_state_pre_hook run first."""
         del load_kwargs
+        if input_dir is not None:
+            input_dir, _ = agree_directory(self._partial.comm, input_dir, "load_state")
         models = self._models
         if self._load_model_state_pre_hook:
             directory = input_dir
