@@ -18,6 +18,8 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, ops, preemption, tracking, training
 from .checkpoint.directories import agree_directory
+from .checkpoint.safetensors_out import save_safetensors
+from .checkpoint.training_state import model_state
 from .comm import agreement
 from .config import (
     AutocastKwargs,
@@ -849,12 +851,17 @@ class Accelerator:
         max_shard_size: int | str = "10GB",
         safe_serialization: bool = True,
     ) -> None:
-        """Collective. The unwrapped model's weights as HDF5 shards of at most `max_shard_size`
-        (written in parallel: shard i by rank i mod N) and `model.index.json`, committed
-        atomically; shards of an earlier save are removed. HDF5 never pickles, so
-        `safe_serialization` is always honoured. Read back with
-        `mpaccel.checkpoint.load_model_state(dir)`."""
-        checkpoint.save_model(self, model, save_directory, max_shard_size)
+        """Collective. The unwrapped model's weights in shards of at most `max_shard_size`,
+        written in parallel (shard i by rank i mod N): with `safe_serialization=True`
+        (Accelerate's default) as `model.safetensors`, or `model-0000i-of-0000N.safetensors` +
+        `model.safetensors.index.json`, Hugging Face's layout; with `safe_serialization=False`
+        as mpaccel's HDF5 shards + `model.index.json` (never a pickle; read back with
+        `mpaccel.checkpoint.load_model_state(dir)`)."""
+        if safe_serialization:
+            state = model_state(self, model)
+            save_safetensors(self._partial.comm, state, os.fspath(save_directory), max_shard_size)
+        else:
+            checkpoint.save_model(self, model, save_directory, max_shard_size)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with state_dict()/load_state_dict() in save_state/load_state."""
