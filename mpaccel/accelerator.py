@@ -17,10 +17,11 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, ops, preemption, tracking, training
+from .checkpoint import solo
 from .checkpoint.directories import agree_directory
 from .checkpoint.safetensors_out import save_safetensors
 from .checkpoint.training_state import model_state
-from .comm import agreement
+from .comm import NullComm, agreement
 from .config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -851,17 +852,24 @@ class Accelerator:
         max_shard_size: int | str = "10GB",
         safe_serialization: bool = True,
     ) -> None:
-        """Collective. The unwrapped model's weights in shards of at most `max_shard_size`,
-        written in parallel (shard i by rank i mod N): with `safe_serialization=True`
-        (Accelerate's default) as `model.safetensors`, or `model-0000i-of-0000N.safetensors` +
-        `model.safetensors.index.json`, Hugging Face's layout; with `safe_serialization=False`
-        as mpaccel's HDF5 shards + `model.index.json` (never a pickle; read back with
-        `mpaccel.checkpoint.load_model_state(dir)`)."""
+        """Collective when every rank calls it; also callable by one rank alone (`if
+        accelerator.is_main_process:`), which then writes everything (docs/checkpoint-format.md,
+        "Saving from one rank"). The unwrapped model's weights in shards of at most
+        `max_shard_size`, written in parallel (shard i by rank i mod N): with
+        `safe_serialization=True` (Accelerate's default) as `model.safetensors`, or
+        `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`, Hugging Face's
+        layout; with `safe_serialization=False` as mpaccel's HDF5 shards + `model.index.json`
+        (never a pickle; read back with `mpaccel.checkpoint.load_model_state(dir)`)."""
+        comm = self._partial.comm
+        who = solo.who_saves(comm, "save_model", save_directory)
+        if who == solo.OTHERS:
+            return
+        comm = comm if who == solo.COLLECTIVE else NullComm(default_timeout=comm.default_timeout)
         if safe_serialization:
-            state = model_state(self, model)
-            save_safetensors(self._partial.comm, state, os.fspath(save_directory), max_shard_size)
+            state = model_state(self, model, comm)
+            save_safetensors(comm, state, os.fspath(save_directory), max_shard_size)
         else:
-            checkpoint.save_model(self, model, save_directory, max_shard_size)
+            checkpoint.save_model(self, model, save_directory, max_shard_size, comm)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with state_dict()/load_state_dict() in save_state/load_state."""
@@ -896,13 +904,14 @@ class Accelerator:
         return handle
 
     def _run_pre_hooks(
-        self, hooks: Iterable[Callable], arguments: tuple, listed: list, what: str
+        self, hooks: Iterable[Callable], arguments: tuple, listed: list, what: str,
+        comm: Any = None,
     ) -> list[torch.nn.Module]:
         """Collective. Call the `hooks` with `arguments` (of which `listed` is the list the
         hooks may shorten, one entry per prepared model); returns the models whose entries
         remain, the same on every rank (a hook failing on any rank fails every rank)."""
         entries = list(listed)
-        comm = self._partial.comm
+        comm = self._partial.comm if comm is None else comm  # a NullComm: a save by one rank
         with agreement(comm, what):
             for hook in hooks:
                 hook(*arguments)
@@ -934,7 +943,9 @@ class Accelerator:
         async_save: bool = False,
         **save_model_func_kwargs: Any,
     ) -> str:
-        """Collective. Models, optimizers, schedulers, grad scaler, registered objects, and each
+        """Collective when every rank calls it; also callable by one rank alone, which then
+        writes everything it holds (docs/checkpoint-format.md, "Saving from one rank").
+        Models, optimizers, schedulers, grad scaler, registered objects, and each
         rank's RNG states and dataloader positions, as an HDF5 checkpoint committed atomically.
         Ranks that pass different directories use rank 0's (with a warning).
         With ProjectConfiguration(automatic_checkpoint_naming=True) the directory is
@@ -945,8 +956,20 @@ class Accelerator:
         honoured; `save_model_func_kwargs` (Accelerate passes them to DeepSpeed) are ignored.
         Hooks of register_save_state_pre_hook run first."""
         del safe_serialization, save_model_func_kwargs
-        if output_dir is not None:
-            output_dir, _ = agree_directory(self._partial.comm, output_dir, "save_state")
+        comm = self._partial.comm
+        config = self.project_configuration
+        who = solo.who_saves(comm, "save_state", output_dir)
+        if who == solo.OTHERS:  # another rank wrote it alone
+            if config.automatic_checkpoint_naming:
+                config.iteration += 1
+            return os.fspath(output_dir) if output_dir is not None else ""
+        if who == solo.ALONE:
+            comm = NullComm(default_timeout=comm.default_timeout)
+        elif output_dir is not None:
+            output_dir, _ = agree_directory(comm, output_dir, "save_state")
+        elif config.automatic_checkpoint_naming:
+            # saves by the main process alone advanced its number only: follow rank 0's
+            config.iteration = comm.bcast(config.iteration, what="save_state (its number)")
         models = self._models
         if self._save_model_state_pre_hook:
             directory = ""
@@ -961,9 +984,10 @@ class Accelerator:
                 (self._models, weights, directory),
                 weights,
                 "save_state (pre-hooks)",
+                comm,
             )
         with self._only_models(models):
-            return checkpoint.save_state(self, output_dir, async_save)
+            return checkpoint.save_state(self, output_dir, async_save, comm)
 
     def load_state(
         self,

@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 import warnings
 
 import pytest
 import torch
 
 from mpaccel import Accelerator
-from mpaccel.testing import reset_state
+from mpaccel.testing import reset_state, run_mpi
+from mpaccel.utils import ProjectConfiguration
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -78,6 +80,37 @@ def test_save_model_hdf5_stays_selectable(mpi_tmp_path):
     assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 
+def test_main_process_alone_saves_the_same_result(mpi_tmp_path, comm):
+    reset_state()
+    acc = Accelerator()
+    model = acc.prepare(_model())
+    optimizer = acc.prepare(torch.optim.AdamW(model.parameters()))
+    model(torch.ones(2, 32)).sum().backward()
+    optimizer.step()
+    acc.save_model(model, mpi_tmp_path / "together", max_shard_size="10KB")
+    if acc.is_main_process:
+        acc.save_model(model, mpi_tmp_path / "alone", max_shard_size="10KB")
+        acc.save_state(mpi_tmp_path / "state-alone")
+        acc.save(acc.unwrap_model(model).state_dict(), mpi_tmp_path / "weights.pt")
+    acc.wait_for_everyone()  # the others went on to this collective: nobody hangs
+    together = _read_safetensors(mpi_tmp_path / "together")
+    alone = _read_safetensors(mpi_tmp_path / "alone")
+    assert sorted(os.listdir(mpi_tmp_path / "together")) == sorted(
+        os.listdir(mpi_tmp_path / "alone"))
+    assert together.keys() == alone.keys()
+    assert all(torch.equal(together[k], alone[k]) for k in together)
+    # the state saved by one rank loads on every rank
+    saved = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # written by 1 process: RNG states stay (documented)
+        acc.load_state(mpi_tmp_path / "state-alone")
+    assert all(torch.equal(v, saved[k]) for k, v in acc.unwrap_model(model).state_dict().items())
+    acc.wait_for_everyone()
+
+
 def test_a_directory_per_rank_uses_rank_0s(comm):
     reset_state()
     acc = Accelerator()
@@ -104,3 +137,78 @@ def test_a_directory_per_rank_uses_rank_0s(comm):
         assert all(torch.equal(v, saved[k])
                    for k, v in acc.unwrap_model(model).state_dict().items())
         acc.wait_for_everyone()  # rank 0's directory outlives the others' loads
+
+
+def test_a_rank_alone_while_the_others_compute(mpi_tmp_path, monkeypatch):
+    """The others are busy (not in a collective): the save waits MPACCEL_SOLO_SAVE_WAIT for
+    them, then writes alone; ranks that come late to the same save find it written."""
+    monkeypatch.setenv("MPACCEL_SOLO_SAVE_WAIT", "0.3")
+    reset_state()
+    acc = Accelerator()
+    model = acc.prepare(_model())
+    if acc.is_main_process:
+        acc.save_model(model, mpi_tmp_path / "alone")
+    else:
+        time.sleep(1.0)  # computing
+    acc.wait_for_everyone()
+    # every rank calls, rank 0 on time, the others over the wait late: written once, by rank 0
+    if not acc.is_main_process:
+        time.sleep(1.0)
+    acc.save_model(model, mpi_tmp_path / "late")
+    acc.wait_for_everyone()
+    acc.save_state(mpi_tmp_path / "state")  # on time: together, each rank its own RNG state
+    state = acc.unwrap_model(model).state_dict()
+    for name in ("alone", "late"):
+        loaded = safetensors_torch.load_file(mpi_tmp_path / name / "model.safetensors")
+        assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k])
+                                                     for k in state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(mpi_tmp_path / "state")
+    assert not [w for w in caught if "processes" in str(w.message)], caught  # same world size
+    acc.wait_for_everyone()
+
+
+SOLO_SCRIPT = """
+import sys
+import torch
+from mpaccel import Accelerator
+acc = Accelerator()
+model = acc.prepare(torch.nn.Linear(4, 4))
+optimizer = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+if acc.is_main_process:
+    acc.save_model(model, sys.argv[1] + "/model")
+    acc.save_state(sys.argv[1] + "/state")
+    acc.save(acc.unwrap_model(model).state_dict(), sys.argv[1] + "/weights.pt")
+if sys.argv[2] == "wait":
+    acc.wait_for_everyone()
+print("reached the end", flush=True)
+"""
+
+
+@pytest.mark.mpi(size=1)  # each run starts its own mpiexec
+@pytest.mark.parametrize("then", ["wait", "end"])
+def test_the_main_process_idiom_runs_to_the_end(tmp_path, then):
+    script = tmp_path / "job.py"
+    script.write_text(SOLO_SCRIPT)
+    run = run_mpi([str(script), str(tmp_path), then], n=2, timeout=120)
+    assert run.returncode == 0 and all("reached the end" in out for out in run.stdout), \
+        run.describe()
+    assert "unusable" not in "".join(run.stderr), run.describe()
+    assert (tmp_path / "model" / "model.safetensors").exists()
+    assert (tmp_path / "state" / "state.index.json").exists()
+    assert (tmp_path / "weights.pt").exists()
+
+
+def test_automatic_naming_after_a_save_by_the_main_process(mpi_tmp_path):
+    reset_state()
+    config = ProjectConfiguration(project_dir=str(mpi_tmp_path), automatic_checkpoint_naming=True)
+    acc = Accelerator(project_config=config)
+    acc.prepare(_model())
+    if acc.is_main_process:
+        acc.save_state()  # checkpoint_0, by rank 0 alone: only its number advanced
+    acc.wait_for_everyone()
+    acc.save_state()  # every rank: rank 0's number, checkpoint_1
+    acc.wait_for_everyone()
+    assert sorted(os.listdir(mpi_tmp_path / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]
+    assert acc.project_configuration.iteration == 2

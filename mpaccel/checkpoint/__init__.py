@@ -48,16 +48,20 @@ __all__ = [
 ]
 
 
-def save_model(accelerator: Any, model: Any, save_directory: str, max_shard_size: Any) -> dict:
+def save_model(
+    accelerator: Any, model: Any, save_directory: str, max_shard_size: Any, comm: Any = None
+) -> dict:
     """The unwrapped model's state_dict as HDF5 shards of at most `max_shard_size`, written by
-    different ranks in parallel (shard i by rank i mod N), plus `model.index.json`."""
+    different ranks in parallel (shard i by rank i mod N), plus `model.index.json`. Collective
+    over `comm` (the accelerator's by default; a NullComm: one rank saving alone)."""
+    comm = accelerator._partial.comm if comm is None else comm
     try:
         limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise CheckpointError(str(exc), "for example max_shard_size='10GB' or '500MB'.") from exc
-    state = model_state(accelerator, model)
+    state = model_state(accelerator, model, comm)
     index = write_checkpoint(
-        accelerator._partial.comm,
+        comm,
         os.fspath(save_directory),
         MODEL_STEM,
         {"model": state},
@@ -264,11 +268,18 @@ def _threads_ok() -> bool:
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 
-def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> str:
+def save_state(
+    accelerator: Any, output_dir: str | None, async_save: bool, comm: Any = None
+) -> str:
+    """Collective over `comm` (the accelerator's by default; a NullComm: one rank saving alone,
+    synchronously)."""
     saver: AsyncSaver = accelerator._async_saver
     saver.wait()  # a second save waits for the first
     config = accelerator.project_configuration
-    comm = accelerator._partial.comm
+    if comm is None:
+        comm = accelerator._partial.comm
+    elif comm is not accelerator._partial.comm:
+        async_save = False  # the background writer's communicator spans every rank
     if async_save and not _threads_ok():
         warnings.warn(
             "async_save needs MPI_THREAD_MULTIPLE; saving synchronously",
@@ -282,7 +293,7 @@ def save_state(accelerator: Any, output_dir: str | None, async_save: bool) -> st
     per_rank: dict[str, Any] = {}
     try:
         directory = _resolve_output(accelerator, output_dir)
-        shared, per_rank = collect(accelerator)
+        shared, per_rank = collect(accelerator, comm)
         if async_save:  # copies in host memory: training may change the originals meanwhile
             shared, per_rank = _snapshot(shared), _snapshot(per_rank)
     except Exception as exc:

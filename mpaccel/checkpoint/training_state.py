@@ -162,7 +162,7 @@ def restore_dataloader(shard: Any, plan: dict[str, Any]) -> None:
         shard._resume_at(plan["skip"])
 
 
-def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
+def model_state(accelerator: Any, model: Any, comm: Any = None) -> dict[str, Any]:
     """Collective (at size N). The unwrapped model's state_dict, with its buffers as rank 0 has
     them. DDP keeps parameters equal across ranks, but buffers (BatchNorm's running statistics)
     only at the start of each forward, when it broadcasts rank 0's; after a forward every rank
@@ -170,7 +170,8 @@ def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
     broadcast in one message; the model itself is left alone."""
     module = accelerator.unwrap_model(model)
     state = module.state_dict()
-    if accelerator.num_processes == 1:
+    comm = accelerator._partial.comm if comm is None else comm  # a NullComm: one rank saving
+    if comm.size == 1:
         return state
     # Every name of every buffer (named_buffers() gives a buffer once, under its first name: a
     # module reused under two names would keep this rank's values under the second), grouped
@@ -181,7 +182,6 @@ def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
             groups.setdefault(view_identity(state[name]) or name, []).append(name)
     tied = list(groups.values())
     layout = [(names, str(state[names[0]].dtype), tuple(state[names[0]].shape)) for names in tied]
-    comm = accelerator._partial.comm
     if len(set(map(repr, comm.allgather(layout, what="saving a model (its buffers)")))) > 1:
         return state  # ranks differ: the checkpoint's layout check names how, on every rank
     # As raw bytes, in one message (gloo and NCCL lack bool, float8 and other dtypes), on the
@@ -202,12 +202,12 @@ def model_state(accelerator: Any, model: Any) -> dict[str, Any]:
     return state
 
 
-def collect(accelerator: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def collect(accelerator: Any, comm: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(shared, per_rank) state trees of everything the accelerator prepared or registered.
-    Collective (model_state)."""
+    Collective over `comm` (model_state; the accelerator's by default)."""
     shared: dict[str, Any] = {}
     for i, model in enumerate(accelerator._models):
-        shared[f"model_{i}"] = model_state(accelerator, model)
+        shared[f"model_{i}"] = model_state(accelerator, model, comm)
     for i, opt in enumerate(accelerator._optimizers):
         shared[f"optimizer_{i}"] = opt.state_dict()
     for i, sched in enumerate(accelerator._schedulers):

@@ -30,6 +30,7 @@ from ..errors import (
 )
 from .base import failure_of
 from .diagnosis import Diagnosis
+from .presence import Presence
 from .progress import ProgressThread
 
 # Waiting has three phases. Spin: test in a tight loop (everyone is there: raw-MPI latency).
@@ -90,6 +91,8 @@ class MPIComm:
         self._comm = comm.Dup()
         self._diag = comm.Dup()
         self._diagnosis = Diagnosis(self._diag, comm.Get_rank(), comm.Get_size())
+        # saves that one rank may make alone ask who is here (comm/presence.py)
+        self.presence = Presence(self._comm, comm.Get_rank(), comm.Get_size())
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
         # hosts, spin_seconds, yield_seconds: kept for checkpoint/__init__.py until it uses dup()
@@ -265,6 +268,7 @@ class MPIComm:
         pause = 2e-5
         while not test():
             self._diagnosis.answer(self._current)
+            self.presence.answer(time.monotonic() - start)
             if self._alerts is not None and self._alerts.waiting():
                 if test():  # done after all: the alert is about a later collective
                     break
@@ -314,6 +318,7 @@ class MPIComm:
         self._comm = self._parent.Dup()
         self._diag = self._parent.Dup()
         self._diagnosis = Diagnosis(self._diag, self.rank, self.size)
+        self.presence = Presence(self._comm, self.rank, self.size)
         if self._end is not None:
             self._end = self._parent.Dup()
         self._set_up_persistent()
