@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, ops, preemption, tracking, training
-from .checkpoint import solo
+from .checkpoint import accelerate_layout, solo
 from .checkpoint.directories import agree_directory
 from .checkpoint.safetensors_out import save_safetensors
 from .checkpoint.training_state import model_state
@@ -993,6 +993,8 @@ class Accelerator:
         self,
         input_dir: str | None = None,
         load_kwargs: dict[str, Any] | None = None,
+        *,
+        allow_pickle: bool | None = None,
         **load_model_func_kwargs: Any,
     ) -> str:
         """Collective. Restore what save_state wrote (the latest complete checkpoint when
@@ -1000,13 +1002,22 @@ class Accelerator:
         state loads anywhere; per-rank RNG states are then skipped, with a warning. Ranks that
         pass different directories use rank 0's (with a warning).
 
+        A directory written by Hugging Face Accelerate's save_state is recognised: its
+        safetensors model weights load; its pickles (`optimizer.bin`, `scheduler.bin`,
+        `pytorch_model.bin`, `random_states_<rank>.pkl`, ...) only with `allow_pickle=True`
+        (keyword only) or MPACCEL_ALLOW_PICKLE=1, for a directory you trust; otherwise an
+        error names them, before anything changes.
+
         `load_model_func_kwargs` go to the models' load_state_dict (`strict=False`: keys may
         be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
-        accepted and has nothing to act on: nothing is unpickled here. Hooks of
-        register_load_state_pre_hook run first."""
+        accepted and has nothing to act on. Hooks of register_load_state_pre_hook run first."""
         del load_kwargs
+        comm = self._partial.comm
+        accelerate_dir = False
         if input_dir is not None:
-            input_dir, _ = agree_directory(self._partial.comm, input_dir, "load_state")
+            input_dir, accelerate_dir = agree_directory(
+                comm, input_dir, "load_state", accelerate_layout.recognise(os.fspath(input_dir))
+            )
         models = self._models
         if self._load_model_state_pre_hook:
             directory = input_dir
@@ -1021,6 +1032,15 @@ class Accelerator:
                 "load_state (pre-hooks)",
             )
         with self._only_models(models):
+            if accelerate_dir:
+                assert input_dir is not None
+                self._async_saver.wait()
+                with agreement(comm, f"loading Accelerate checkpoint {input_dir!r}",
+                               kind=checkpoint.CheckpointCollectiveError):
+                    accelerate_layout.load_accelerate_state(
+                        self, input_dir, allow_pickle, load_model_func_kwargs
+                    )
+                return input_dir
             return checkpoint.load_state(self, input_dir, load_model_func_kwargs)
 
     def wait_for_checkpoint(self) -> None:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 import time
 import warnings
 
 import pytest
 import torch
 
-from mpaccel import Accelerator
+from mpaccel import Accelerator, CollectiveError
 from mpaccel.testing import reset_state, run_mpi
 from mpaccel.utils import ProjectConfiguration
 
@@ -137,6 +140,80 @@ def test_a_directory_per_rank_uses_rank_0s(comm):
         assert all(torch.equal(v, saved[k])
                    for k, v in acc.unwrap_model(model).state_dict().items())
         acc.wait_for_everyone()  # rank 0's directory outlives the others' loads
+
+
+_ACCELERATE_SAVE = textwrap.dedent("""
+    import sys, torch
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    model(torch.ones(2, 32)).sum().backward()
+    opt.step(); sched.step()
+    acc.save_state(sys.argv[1])
+    torch.save(model.state_dict(), sys.argv[1] + ".expected")
+    torch.save(opt.state_dict(), sys.argv[1] + ".opt")
+""")
+
+
+def _accelerate_checkpoint(path, comm):
+    """A checkpoint written by the real Accelerate, in a process of its own (rank 0)."""
+    pytest.importorskip("accelerate")
+    if comm.Get_rank() == 0:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PMI_", "MPI_", "OMPI_", "PMIX_", "HYDRA", "MPIR_"))}
+        subprocess.run([sys.executable, "-c", _ACCELERATE_SAVE, str(path)], check=True,
+                       env=env, timeout=240)
+    comm.Barrier()
+
+
+def test_load_state_of_an_accelerate_checkpoint(mpi_tmp_path, comm):
+    path = mpi_tmp_path / "accelerate"
+    _accelerate_checkpoint(path, comm)
+    assert (path / "model.safetensors").exists() and (path / "optimizer.bin").exists()
+
+    def prepared():
+        reset_state()
+        acc = Accelerator()
+        model = _model(seed=5)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+        return acc, *acc.prepare(model, opt, sched)
+
+    expected = torch.load(str(path) + ".expected")
+    # weights only: the safetensors file loads without any pickle
+    reset_state()
+    acc = Accelerator()
+    model = acc.prepare(_model(seed=5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(path)
+    # Accelerate ran as one process: only rank 0 has a random_states file, not read
+    skipped = [w for w in caught if "random_states_0.pkl is a pickle and is not read" in str(
+        w.message)]
+    assert len(skipped) == (1 if acc.is_main_process else 0), [str(w.message) for w in caught]
+    assert all(torch.equal(v, expected[k])
+               for k, v in acc.unwrap_model(model).state_dict().items())
+    # with an optimizer: its optimizer.bin is a pickle, refused unless allowed
+    acc, model, opt, sched = prepared()
+    before = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    with pytest.raises(CollectiveError, match=r"written by Hugging Face Accelerate.*optimizer\.bin"
+                       r"(.|\n)*allow_pickle=True"):
+        acc.load_state(path)
+    assert all(torch.equal(v, before[k])
+               for k, v in acc.unwrap_model(model).state_dict().items())  # nothing changed
+    acc, model, opt, sched = prepared()
+    acc.load_state(path, allow_pickle=True)
+    assert all(torch.equal(v, expected[k])
+               for k, v in acc.unwrap_model(model).state_dict().items())
+    saved_opt = torch.load(str(path) + ".opt", weights_only=False)
+    assert opt.state_dict()["state"][0]["step"] == saved_opt["state"][0]["step"]
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved_opt["state"][0]["exp_avg"])
+    assert sched.state_dict()["last_epoch"] == 1
 
 
 def test_a_rank_alone_while_the_others_compute(mpi_tmp_path, monkeypatch):
