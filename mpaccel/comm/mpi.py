@@ -268,7 +268,7 @@ class MPIComm:
         pause = 2e-5
         while not test():
             self._diagnosis.answer(self._current)
-            self.presence.answer(time.monotonic() - start)
+            self.presence.answer(time.monotonic() - start, test)
             if self._alerts is not None and self._alerts.waiting():
                 if test():  # done after all: the alert is about a later collective
                     break

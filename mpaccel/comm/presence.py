@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 TAG = 23166  # point-to-point only, on the communicator's own duplicate
@@ -68,17 +69,25 @@ class Presence:
             self._comm.isend((kind, seq, key), dest=peer, tag=TAG) for peer in peers
         )
 
-    def answer(self, waited: float) -> None:
-        """Called while this rank waits in a collective for `waited` seconds: tell each rank
-        that is waiting for it in a presence handshake that it will not come."""
+    def answer(self, waited: float, done: Callable[[], bool]) -> None:
+        """Called while this rank waits in a collective for `waited` seconds (`done()` tests
+        it): tell each rank that is waiting for it in a presence handshake that it will not
+        come."""
         if waited < _GRACE or self.size == 1:
             return
         self._drain()
-        for peer, box in self._inbox.items():
+        waiting = [
+            (peer, box[-1][1]) for peer, box in self._inbox.items()
             # the last HERE without a decision after it: that peer waits now
-            if box and box[-1][0] == HERE and (peer, box[-1][1]) not in self._answered:
-                self._answered.add((peer, box[-1][1]))
-                self._send(AWAY, box[-1][1], "", [peer])
+            if box and box[-1][0] == HERE and (peer, box[-1][1]) not in self._answered
+        ]
+        # Reading the messages moved MPI on: the collective may be complete now, and this rank
+        # on its way to the same save as the asking one (a broadcast's root leaves first).
+        if not waiting or done():
+            return
+        for peer, seq in waiting:
+            self._answered.add((peer, seq))
+            self._send(AWAY, seq, "", [peer])
 
     def _ended(self, peer: int, key: str) -> bool:
         """Drop `peer`'s finished exchanges; True if the last one gave up on `key` and the peer
