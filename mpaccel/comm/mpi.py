@@ -166,7 +166,7 @@ class MPIComm:
     def _end_of_program(self) -> None:
         """At exit, before MPI_Finalize: a barrier named "the end of the program". While a rank
         waits here it answers where it is, so a rank stuck in a collective this one will never
-        join (`if is_main_process: save_model(...)` at the end of a script) learns it within
+        join (`if is_main_process: check_trigger()` at the end of a script) learns it within
         seconds (_check_divergence) instead of after the timeout. It runs on a communicator of
         its own, so that it can never complete against a stray wait_for_everyone() on another
         rank, and without a time limit: a rank still busy (rank 0 writing a report after
