@@ -6,8 +6,9 @@ messages on a tag of their own, which never match a collective nor another rank'
 A rank entering such a call (`who`):
 
 1. reads what its peers sent it and drops every exchange that ended (a HERE followed by that
-   peer's decision); if one of them was a peer that gave up on this same call (same key) and
-   the peer is not in a newer one, that peer wrote the result alone: OTHERS, at once;
+   peer's decision); if one of them was a peer that gave up on this same call (same key)
+   while this rank was busy (it did not turn it away), and the peer is not in a newer one,
+   this rank came late and that peer wrote the result alone: OTHERS, at once;
 2. sends HERE (its own sequence number, the key) to every peer and waits for a HERE from each,
    for at most `wait` seconds; a peer that waits in a collective of this communicator
    (wait_for_everyone, the end of the program...) cannot come, and says so at once (AWAY,
@@ -91,12 +92,15 @@ class Presence:
 
     def _ended(self, peer: int, key: str) -> bool:
         """Drop `peer`'s finished exchanges; True if the last one gave up on `key` and the peer
-        is in no newer exchange (it wrote this call's result alone)."""
+        is in no newer exchange (it wrote this call's result alone). Not when this rank turned
+        that exchange away (AWAY): it was elsewhere then, so that was another save (the main
+        process saving alone earlier into the same place)."""
         box = self._inbox.get(peer)
         gave_up = False
         while box and len(box) >= 2 and box[0][0] == HERE and box[1][0] != HERE:
             here, decision = box.popleft(), box.popleft()
-            gave_up = decision[0] == WITHDRAW and here[2] == key
+            gave_up = (decision[0] == WITHDRAW and here[2] == key
+                       and (peer, here[1]) not in self._answered)
         while box and box[0][0] != HERE:  # a decision whose HERE was taken already
             box.popleft()
         return gave_up and not box
