@@ -92,7 +92,9 @@ class MPIComm:
         self._diag = comm.Dup()
         self._diagnosis = Diagnosis(self._diag, comm.Get_rank(), comm.Get_size())
         # saves that one rank may make alone ask who is here (comm/presence.py)
-        self.presence = Presence(self._comm, comm.Get_rank(), comm.Get_size())
+        self.presence = Presence(
+            self._comm, comm.Get_rank(), comm.Get_size(), lambda: self._seq
+        )
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
         # hosts, spin_seconds, yield_seconds: kept for checkpoint/__init__.py until it uses dup()
@@ -268,7 +270,8 @@ class MPIComm:
         pause = 2e-5
         while not test():
             self._diagnosis.answer(self._current)
-            self.presence.answer(time.monotonic() - start, test)
+            if self._current is not None:
+                self.presence.answer(time.monotonic() - start, test, self._current[1])
             if self._alerts is not None and self._alerts.waiting():
                 if test():  # done after all: the alert is about a later collective
                     break
@@ -318,7 +321,7 @@ class MPIComm:
         self._comm = self._parent.Dup()
         self._diag = self._parent.Dup()
         self._diagnosis = Diagnosis(self._diag, self.rank, self.size)
-        self.presence = Presence(self._comm, self.rank, self.size)
+        self.presence = Presence(self._comm, self.rank, self.size, lambda: self._seq)
         if self._end is not None:
             self._end = self._parent.Dup()
         self._set_up_persistent()

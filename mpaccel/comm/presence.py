@@ -11,8 +11,9 @@ A rank entering such a call (`who`):
    this rank came late and that peer wrote the result alone: OTHERS, at once;
 2. sends HERE (its own sequence number, the key) to every peer and waits for a HERE from each,
    for at most `wait` seconds; a peer that waits in a collective of this communicator
-   (wait_for_everyone, the end of the program...) cannot come, and says so at once (AWAY,
-   `answer`, called from MPIComm's wait loop), so the usual idiom is decided in milliseconds;
+   (wait_for_everyone, the end of the program...) that this rank has not begun cannot come,
+   and says so at once (AWAY, `answer`, called from MPIComm's wait loop, naming the
+   collective's number), so the usual idiom is decided in milliseconds;
 3. with every HERE it sends READY, then reads each peer's decision: all READY -> COLLECTIVE;
    a WITHDRAW -> OTHERS (the withdrawing rank writes the result);
 4. when a peer is AWAY, or `wait` passes, it sends WITHDRAW to every peer: ALONE.
@@ -41,8 +42,11 @@ class Presence:
     """One communicator's side of the handshake. Not collective: `who` is called by the ranks
     entering a call, `answer` by ranks waiting in a collective."""
 
-    def __init__(self, comm: Any, rank: int, size: int) -> None:
+    def __init__(self, comm: Any, rank: int, size: int, position: Callable[[], int]) -> None:
+        """`position()`: how many collectives this rank has begun on the communicator (the
+        same count on every rank for the same collective)."""
         self._comm = comm
+        self._position = position
         self.rank = rank
         self.size = size
         self._seq = 0
@@ -59,10 +63,12 @@ class Presence:
         while self._comm.Iprobe(MPI.ANY_SOURCE, TAG, status):
             source = status.Get_source()
             message = self._comm.recv(source=source, tag=TAG)
-            if message[0] == AWAY:
-                self._away[source] = message[1]
-            else:
+            if message[0] != AWAY:
                 self._inbox.setdefault(source, deque()).append(message)
+            elif int(message[2]) > self._position():
+                # from a rank in a collective this one has not begun; one in a collective this
+                # rank has finished already is merely behind, on its way here
+                self._away[source] = message[1]
 
     def _send(self, kind: int, seq: int, key: str, peers: list[int]) -> None:
         self._sends = [request for request in self._sends if not request.Test()]
@@ -70,10 +76,10 @@ class Presence:
             self._comm.isend((kind, seq, key), dest=peer, tag=TAG) for peer in peers
         )
 
-    def answer(self, waited: float, done: Callable[[], bool]) -> None:
-        """Called while this rank waits in a collective for `waited` seconds (`done()` tests
-        it): tell each rank that is waiting for it in a presence handshake that it will not
-        come."""
+    def answer(self, waited: float, done: Callable[[], bool], at: int) -> None:
+        """Called while this rank waits in collective number `at` for `waited` seconds
+        (`done()` tests it): tell each rank that is waiting for it in a presence handshake that
+        it will not come (the asker ignores it if it has finished that collective)."""
         if waited < _GRACE or self.size == 1:
             return
         self._drain()
@@ -88,7 +94,7 @@ class Presence:
             return
         for peer, seq in waiting:
             self._answered.add((peer, seq))
-            self._send(AWAY, seq, "", [peer])
+            self._send(AWAY, seq, str(at), [peer])
 
     def _ended(self, peer: int, key: str) -> bool:
         """Drop `peer`'s finished exchanges; True if the last one gave up on `key` and the peer
