@@ -97,7 +97,7 @@ class MPIComm:
         )
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
-        # hosts, spin_seconds, yield_seconds: kept for checkpoint/__init__.py until it uses dup()
+        # set here only: a communicator that waits differently is made with dup(...)
         self.hosts: Sequence[str] = tuple(hosts)
         self.default_timeout = default_timeout
         self.interruptible = interruptible
