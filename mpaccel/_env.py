@@ -314,6 +314,8 @@ VARIABLES: dict[str, Variable] = {
         "ACCELERATE_LOG_LEVEL",
     ),
     "io_threads": _var(Integer(1, 1024), "MPACCEL_IO_THREADS"),
+    "solo_save_wait": _var(Number(0.0, YEAR, "seconds"), "MPACCEL_SOLO_SAVE_WAIT"),
+    "allow_pickle": _var(FLAG, "MPACCEL_ALLOW_PICKLE"),
     "mpi_progress": _var(Number(0.0, 60_000.0, "milliseconds"), "MPACCEL_MPI_PROGRESS"),
     "progress": _var(
         Choice(("auto", "bar", "lines", "off", "1", "0", "true", "false", "yes", "no", "on")),

@@ -17,7 +17,12 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, fsdp, ops, preemption, sharding, tracking, training
-from .comm import agreement
+from .checkpoint import accelerate_layout, solo
+from .checkpoint.directories import agree_directory
+from .checkpoint.safetensors_out import save_safetensors
+from .checkpoint.safetensors_rows import save_rows
+from .checkpoint.training_state import model_state
+from .comm import NullComm, agreement
 from .config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -877,14 +882,29 @@ class Accelerator:
         max_shard_size: int | str = "10GB",
         safe_serialization: bool = True,
     ) -> None:
-        """Collective. The unwrapped model's weights as HDF5 shards of at most `max_shard_size`
-        (written in parallel: shard i by rank i mod N) and `model.index.json`, committed
-        atomically; shards of an earlier save are removed. HDF5 never pickles, so
-        `safe_serialization` is always honoured. Read back with
-        `mpaccel.checkpoint.load_model_state(dir)`."""
-        checkpoint.save_model(
-            self._partial.comm, self.unwrap_model(model), save_directory, max_shard_size
-        )
+        """Collective when every rank calls it; also callable by one rank alone (`if
+        accelerator.is_main_process:`), which then writes everything (docs/checkpoint-format.md,
+        "Saving from one rank"). The unwrapped model's weights in shards of at most
+        `max_shard_size`, written in parallel (shard i by rank i mod N): with
+        `safe_serialization=True` (Accelerate's default) as `model.safetensors`, or
+        `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`, Hugging Face's
+        layout; with `safe_serialization=False` as mpaccel's HDF5 shards + `model.index.json`
+        (never a pickle; read back with `mpaccel.checkpoint.load_model_state(dir)`). Under FSDP
+        every rank must call it: each writes its own rows of the full tensors into the same
+        files, at their offsets (no rank gathers a tensor)."""
+        comm = self._partial.comm
+        who = solo.who_saves(comm, "save_model", save_directory)
+        if who == solo.OTHERS:
+            return
+        comm = comm if who == solo.COLLECTIVE else NullComm(default_timeout=comm.default_timeout)
+        if safe_serialization:
+            state = model_state(comm, self.unwrap_model(model))
+            # a fully sharded model: every rank writes its rows of the same files, no gather
+            sharded = fsdp.fsdp_module(self.unwrap_model(model)) is not None
+            write = save_rows if sharded else save_safetensors
+            write(comm, state, os.fspath(save_directory), max_shard_size)
+        else:
+            checkpoint.save_model(comm, self.unwrap_model(model), save_directory, max_shard_size)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with state_dict()/load_state_dict() in save_state/load_state."""
@@ -919,13 +939,14 @@ class Accelerator:
         return handle
 
     def _run_pre_hooks(
-        self, hooks: Iterable[Callable], arguments: tuple, listed: list, what: str
+        self, hooks: Iterable[Callable], arguments: tuple, listed: list, what: str,
+        comm: Any = None,
     ) -> list[torch.nn.Module]:
         """Collective. Call the `hooks` with `arguments` (of which `listed` is the list the
         hooks may shorten, one entry per prepared model); returns the models whose entries
         remain, the same on every rank (a hook failing on any rank fails every rank)."""
         entries = list(listed)
-        comm = self._partial.comm
+        comm = self._partial.comm if comm is None else comm  # a NullComm: a save by one rank
         with agreement(comm, what):
             for hook in hooks:
                 hook(*arguments)
@@ -982,8 +1003,11 @@ class Accelerator:
         async_save: bool = False,
         **save_model_func_kwargs: Any,
     ) -> str:
-        """Collective. Models, optimizers, schedulers, grad scaler, registered objects, and each
+        """Collective when every rank calls it; also callable by one rank alone, which then
+        writes everything it holds (docs/checkpoint-format.md, "Saving from one rank").
+        Models, optimizers, schedulers, grad scaler, registered objects, and each
         rank's RNG states and dataloader positions, as an HDF5 checkpoint committed atomically.
+        Ranks that pass different directories use rank 0's (with a warning).
         With ProjectConfiguration(automatic_checkpoint_naming=True) the directory is
         project_dir/checkpoints/checkpoint_<n> and old ones are rotated (total_limit).
         async_save=True (keyword only) snapshots to host memory and writes in the background;
@@ -992,6 +1016,20 @@ class Accelerator:
         honoured; `save_model_func_kwargs` (Accelerate passes them to DeepSpeed) are ignored.
         Hooks of register_save_state_pre_hook run first."""
         del safe_serialization, save_model_func_kwargs
+        comm = self._partial.comm
+        config = self.project_configuration
+        who = solo.who_saves(comm, "save_state", output_dir)
+        if who == solo.OTHERS:  # another rank wrote it alone
+            if config.automatic_checkpoint_naming:
+                config.iteration += 1
+            return os.fspath(output_dir) if output_dir is not None else ""
+        if who == solo.ALONE:
+            comm = NullComm(default_timeout=comm.default_timeout)
+        elif output_dir is not None:
+            output_dir, _ = agree_directory(comm, output_dir, "save_state")
+        elif config.automatic_checkpoint_naming:
+            # saves by the main process alone advanced its number only: follow rank 0's
+            config.iteration = comm.bcast(config.iteration, what="save_state (its number)")
         models = self._models
         if self._save_model_state_pre_hook:
             directory = ""
@@ -1006,33 +1044,50 @@ class Accelerator:
                 (self._models, weights, directory),
                 weights,
                 "save_state (pre-hooks)",
+                comm,
             )
         # Saved mid-accumulation: each rank's gradients summed so far are part of the state.
         objects = self._checkpoint_objects(models, gradients=not self.sync_gradients)
         return checkpoint.save_state(
-            self._partial.comm,
+            comm,
             objects,
             output_dir,
             project=self.project_configuration,
             saver=self._async_saver,
-            async_save=async_save,
+            # a rank saving alone writes synchronously: the background writer's communicator
+            # spans every rank
+            async_save=async_save and comm is self._partial.comm,
         )
 
     def load_state(
         self,
         input_dir: str | None = None,
         load_kwargs: dict[str, Any] | None = None,
+        *,
+        allow_pickle: bool | None = None,
         **load_model_func_kwargs: Any,
     ) -> str:
         """Collective. Restore what save_state wrote (the latest complete checkpoint when
         input_dir is None and automatic naming is on). Works at another world size: shared
-        state loads anywhere; per-rank RNG states are then skipped, with a warning.
+        state loads anywhere; per-rank RNG states are then skipped, with a warning. Ranks that
+        pass different directories use rank 0's (with a warning).
+
+        A directory written by Hugging Face Accelerate's save_state is recognised: its
+        safetensors model weights load; its pickles (`optimizer.bin`, `scheduler.bin`,
+        `pytorch_model.bin`, `random_states_<rank>.pkl`, ...) only with `allow_pickle=True`
+        (keyword only) or MPACCEL_ALLOW_PICKLE=1, for a directory you trust; otherwise an
+        error names them, before anything changes.
 
         `load_model_func_kwargs` go to the models' load_state_dict (`strict=False`: keys may
         be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
-        accepted and has nothing to act on: nothing is unpickled here. Hooks of
-        register_load_state_pre_hook run first."""
+        accepted and has nothing to act on. Hooks of register_load_state_pre_hook run first."""
         del load_kwargs
+        comm = self._partial.comm
+        accelerate_dir = False
+        if input_dir is not None:
+            input_dir, accelerate_dir = agree_directory(
+                comm, input_dir, "load_state", accelerate_layout.recognise(os.fspath(input_dir))
+            )
         models = self._models
         if self._load_model_state_pre_hook:
             directory = input_dir
@@ -1048,8 +1103,18 @@ class Accelerator:
             )
         objects = self._checkpoint_objects(models, gradients=True, loading=True)
         try:
+            if accelerate_dir:
+                assert input_dir is not None
+                self._async_saver.wait()
+                with agreement(comm, f"loading Accelerate checkpoint {input_dir!r}",
+                               kind=checkpoint.CheckpointCollectiveError):
+                    accelerate_layout.load_accelerate_state(
+                        objects, input_dir, self.process_index, allow_pickle,
+                        load_model_func_kwargs,
+                    )
+                return input_dir
             return checkpoint.load_state(
-                self._partial.comm,
+                comm,
                 objects,
                 input_dir,
                 project=self.project_configuration,

@@ -12,7 +12,7 @@ import re
 
 import pytest
 from accelerate_shim import ACCELERATE_VERSION, installed_accelerate
-from accelerate_shim.calls import CALLS, PER_RANK_DIRECTORY_REASON, SPLIT_TENSOR_REASON
+from accelerate_shim.calls import CALLS, SPLIT_TENSOR_REASON
 
 from mpaccel import _env
 from mpaccel.testing import run_mpi
@@ -49,8 +49,7 @@ MAIN_RUNS = [
                  marks=[pytest.mark.slow,
                         pytest.mark.xfail(strict=True, reason=SPLIT_TENSOR_REASON)]),
     # it asserts two processes ("this script expects that two GPUs are available")
-    pytest.param("test_distributed_data_loop.py", 2, id="test_distributed_data_loop.py-n2",
-                 marks=pytest.mark.xfail(strict=True, reason=PER_RANK_DIRECTORY_REASON)),
+    pytest.param("test_distributed_data_loop.py", 2, id="test_distributed_data_loop.py-n2"),
     # it counts the GPUs; test_ddp_comm_hook.py is not CPU-applicable (docs/compatibility.md)
     pytest.param("test_cli.py", 2, marks=pytest.mark.slow, id="test_cli.py-n2"),
 ]

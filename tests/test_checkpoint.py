@@ -284,7 +284,7 @@ def test_datasets_another_tool_rewrote_chunked_still_load(mpi_tmp_path, comm):
     expected = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
     for options in ({}, {"compression": "gzip"}):
         target = mpi_tmp_path / ("gzip" if options else "chunked")
-        acc.save_model(model, target)
+        acc.save_model(model, target, safe_serialization=False)
         acc.wait_for_everyone()
         if acc.is_main_process:
             _rewrite_chunked(target, **options)
@@ -315,7 +315,7 @@ def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm, 
         return original(path, *args)
 
     monkeypatch.setattr(storage, "write_h5", recording)
-    acc.save_model(model, target, max_shard_size="20KB")
+    acc.save_model(model, target, max_shard_size="20KB", safe_serialization=False)
     index = json.loads((target / "model.index.json").read_text())
     # 8 KiB bf16 weight + 128 B bias per layer: two layers fit in 20 KB, so three shards
     assert len(index["shards"]) == 3
@@ -334,7 +334,7 @@ def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm, 
     acc.wait_for_everyone()  # every rank has checked the listing above before it changes
     if acc.is_main_process:  # the index temp file of a save that died before its rename
         (target / "model.index.json.tmp-0123456789ab").write_text("{")
-    acc.save_model(model, target, max_shard_size="1MB")
+    acc.save_model(model, target, max_shard_size="1MB", safe_serialization=False)
     acc.wait_for_everyone()
     index = json.loads((target / "model.index.json").read_text())
     assert index["shards"] == sorted(f for f in os.listdir(target) if f.endswith(".h5"))
@@ -663,7 +663,7 @@ def test_a_state_that_differs_between_ranks_is_refused_before_anything_is_writte
     if last:
         net.register_buffer("extra", torch.zeros(2))
     with pytest.raises(CollectiveError) as info:
-        acc.save_model(net, mpi_tmp_path / "model")
+        acc.save_model(net, mpi_tmp_path / "model", safe_serialization=False)
     message = str(info.value)
     assert info.value.failed_ranks == [comm.size - 1], message
     assert "differs from rank 0's" in message, message
@@ -716,7 +716,7 @@ def test_buffers_are_saved_as_rank_0_has_them(mpi_tmp_path, comm):
     means = comm.allgather(live.tolist())
     if comm.size > 1:
         assert means[0] != means[1]
-    acc.save_model(model, mpi_tmp_path / "bn")
+    acc.save_model(model, mpi_tmp_path / "bn", safe_serialization=False)
     saved = load_model_state(mpi_tmp_path / "bn")
     assert saved["1.running_mean"].tolist() == means[0]
     assert saved["1.num_batches_tracked"].item() == 1
@@ -743,7 +743,8 @@ def test_a_buffer_under_two_names_is_saved_once_as_rank_0_has_it(mpi_tmp_path, c
     model = acc.prepare(net)
     model(torch.randn(8, 4) * (acc.process_index + 1))  # rank-dependent statistics
     means = comm.allgather(acc.unwrap_model(model)[1].running_mean.tolist())
-    acc.save_model(model, mpi_tmp_path / "bn", max_shard_size=64)  # a shard per few tensors
+    acc.save_model(model, mpi_tmp_path / "bn", max_shard_size=64,  # a shard per few tensors
+                   safe_serialization=False)
     stored = _stored(mpi_tmp_path / "bn", "model")
     assert not [k for k in stored if k.startswith("model/again.")], list(stored)
     saved = load_model_state(mpi_tmp_path / "bn")
@@ -816,7 +817,7 @@ def test_tied_weights_are_stored_once_and_come_back_tied(mpi_tmp_path, comm, mon
     saved = {k: v.clone() for k, v in inner.state_dict().items()}
     acc.save_state(mpi_tmp_path / "plain")  # for the untied model below (no optimizer)
     acc.prepare(torch.optim.AdamW(model.parameters(), lr=0.1))
-    acc.save_model(model, mpi_tmp_path / "model")
+    acc.save_model(model, mpi_tmp_path / "model", safe_serialization=False)
     acc.save_state(mpi_tmp_path / "state")
     acc.save_state(mpi_tmp_path / "async", async_save=True)
     acc.wait_for_checkpoint()
@@ -896,7 +897,7 @@ def test_a_model_that_differs_on_one_rank_fails_the_load_before_any_rank_applies
 
 def test_loading_the_other_kind_of_checkpoint_says_so(mpi_tmp_path, comm):
     acc, model, opt, sched, loader, progress = _setup()
-    acc.save_model(model, mpi_tmp_path / "weights")
+    acc.save_model(model, mpi_tmp_path / "weights", safe_serialization=False)
     acc.save_state(mpi_tmp_path / "state")
     with pytest.raises(CollectiveError, match=r"holds a save_model\(\) checkpoint"):
         acc.load_state(mpi_tmp_path / "weights")

@@ -90,7 +90,7 @@ def saved(tmp_path):
     model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)))
     acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
     acc.save_state(tmp_path / "state")
-    acc.save_model(model, tmp_path / "model", max_shard_size="60B")
+    acc.save_model(model, tmp_path / "model", max_shard_size="60B", safe_serialization=False)
     yield tmp_path, acc.unwrap_model(model).state_dict()
     AcceleratorState._reset_state(True)
 
@@ -159,7 +159,7 @@ def test_export_names_the_keys_safetensors_cannot_hold(tmp_path):
 
     AcceleratorState._reset_state(True)
     acc = Accelerator()
-    acc.save_model(WithExtra(2, 2), tmp_path / "model")
+    acc.save_model(WithExtra(2, 2), tmp_path / "model", safe_serialization=False)
     run = _cli("export", str(tmp_path / "model"), "--output", str(tmp_path / "w.safetensors"))
     assert run.returncode == 1
     assert "1 key(s) hold other values ('_extra_state')" in run.stderr, run.stderr
@@ -196,7 +196,7 @@ def test_ls_and_export_of_tied_weights(tmp_path):
     acc = Accelerator()
     torch.manual_seed(0)
     model = _Tied(tie=True)
-    acc.save_model(model, tmp_path / "model")
+    acc.save_model(model, tmp_path / "model", safe_serialization=False)
     run = _cli("ls", str(tmp_path / "model"))
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
@@ -229,7 +229,7 @@ def test_verify_of_shards_with_damaged_hdf5_metadata_says_one_line(tmp_path, com
     AcceleratorState._reset_state(True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    Accelerator().save_model(model, tmp_path / "good")
+    Accelerator().save_model(model, tmp_path / "good", safe_serialization=False)
     AcceleratorState._reset_state(True)
     index = json.loads((tmp_path / "good" / "model.index.json").read_text())
     shard = index["shards"][0]
@@ -278,7 +278,7 @@ def test_export_refuses_numpy_values_in_the_model_state(tmp_path):
     for extra in (np.arange(3.0), np.float32(1.5)):
         AcceleratorState._reset_state(True)
         shutil.rmtree(tmp_path / "model", ignore_errors=True)
-        Accelerator().save_model(WithArray(extra), tmp_path / "model")
+        Accelerator().save_model(WithArray(extra), tmp_path / "model", safe_serialization=False)
         run = _cli("export", str(tmp_path / "model"), "--output", str(tmp_path / "w.safetensors"))
         assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
         assert "1 key(s) hold other values ('_extra_state')" in run.stderr, run.stderr

@@ -154,10 +154,23 @@ def test_save_model_writes_full_tensors_and_rotation_sees_fsdp_checkpoints(comm,
         project_dir=project, automatic_checkpoint_naming=True, total_limit=2))
     model, opt, loader, sched = _prepared(acc)
     _steps(acc, model, opt, loader, sched, 1)
-    acc.save_model(model, str(mpi_tmp_path / "model"))
+    acc.save_model(model, str(mpi_tmp_path / "hdf5"), safe_serialization=False)
     full = acc.get_state_dict(model, all_ranks=True)
-    saved = load_model_state(str(mpi_tmp_path / "model"))
-    _close(saved, {k: v for k, v in full.items()})
+    _close(load_model_state(str(mpi_tmp_path / "hdf5")), full)
+    import safetensors.torch
+
+    for size, files in (("10GB", ["model.safetensors"]), ("600B", None)):  # one file, shards
+        target = mpi_tmp_path / f"safetensors-{size}"
+        acc.save_model(model, str(target), max_shard_size=size)
+        names = sorted(n for n in os.listdir(target) if n.endswith(".safetensors"))
+        assert files is None or names == files
+        loaded = {}
+        for name in names:
+            loaded.update(safetensors.torch.load_file(str(target / name)))
+        _close(loaded, full)
+        if files is None:
+            index = json.loads((target / "model.safetensors.index.json").read_text())
+            assert len(names) > 1 and set(index["weight_map"]) == set(full)
     for _ in range(3):
         acc.save_state()
     names = sorted(os.listdir(os.path.join(project, "checkpoints")))

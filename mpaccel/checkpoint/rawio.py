@@ -192,9 +192,8 @@ def read_threads(tasks: Sequence[ReadTask]) -> int:
     """Threads to read `tasks` (in file order) with: MPACCEL_IO_THREADS where set, and
     io_threads() where copying from the page cache is the work; one where a local disk is. A
     disk streams best to one sequential reader, which leaves the other cores to the checksums
-    (measured here at 1 rank on 2 cores, cold: 1.95-2.01 GiB/s with one thread, 1.73-1.91 with
-    two, with a descriptor per thread as well; warm: 4.8 vs 5.4 GiB/s with two). Network and
-    parallel file systems keep io_threads(): they want several requests in flight."""
+    (docs/benchmarks.md, "Since 49583d9 a process reads with one thread"). Network and parallel
+    file systems keep io_threads(): they want several requests in flight."""
     if not tasks or _env.get_int("io_threads") is not None:
         return io_threads()
     first, last = tasks[0], tasks[-1]

@@ -78,8 +78,8 @@ class Diagnosis:
                     f"{rank} ({host}) waits in {where[0]} (its collective #{where[1]}, an MPI "
                     f"{where[2]}): the ranks took different code paths",
                     "every rank must make the same collective calls in the same order. The "
-                    "usual cause is a collective (save_model, save_state, wait_for_everyone, "
-                    "gather, check_trigger...) inside `if accelerator.is_main_process:` or "
+                    "usual cause is a collective (wait_for_everyone, gather, check_trigger, "
+                    "load_state...) inside `if accelerator.is_main_process:` or "
                     "another branch taken on some ranks only: call it on every rank.",
                 )
         return None

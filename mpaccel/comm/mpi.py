@@ -30,6 +30,7 @@ from ..errors import (
 )
 from .base import failure_of
 from .diagnosis import Diagnosis
+from .presence import Presence
 from .progress import ProgressThread
 
 # Waiting has three phases. Spin: test in a tight loop (everyone is there: raw-MPI latency).
@@ -90,9 +91,13 @@ class MPIComm:
         self._comm = comm.Dup()
         self._diag = comm.Dup()
         self._diagnosis = Diagnosis(self._diag, comm.Get_rank(), comm.Get_size())
+        # saves that one rank may make alone ask who is here (comm/presence.py)
+        self.presence = Presence(
+            self._comm, comm.Get_rank(), comm.Get_size(), lambda: self._seq
+        )
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
-        # hosts, spin_seconds, yield_seconds: kept for checkpoint/__init__.py until it uses dup()
+        # set here only: a communicator that waits differently is made with dup(...)
         self.hosts: Sequence[str] = tuple(hosts)
         self.default_timeout = default_timeout
         self.interruptible = interruptible
@@ -163,7 +168,7 @@ class MPIComm:
     def _end_of_program(self) -> None:
         """At exit, before MPI_Finalize: a barrier named "the end of the program". While a rank
         waits here it answers where it is, so a rank stuck in a collective this one will never
-        join (`if is_main_process: save_model(...)` at the end of a script) learns it within
+        join (`if is_main_process: check_trigger()` at the end of a script) learns it within
         seconds (_check_divergence) instead of after the timeout. It runs on a communicator of
         its own, so that it can never complete against a stray wait_for_everyone() on another
         rank, and without a time limit: a rank still busy (rank 0 writing a report after
@@ -265,6 +270,8 @@ class MPIComm:
         pause = 2e-5
         while not test():
             self._diagnosis.answer(self._current)
+            if self._current is not None:
+                self.presence.answer(time.monotonic() - start, test, self._current[1])
             if self._alerts is not None and self._alerts.waiting():
                 if test():  # done after all: the alert is about a later collective
                     break
@@ -314,6 +321,7 @@ class MPIComm:
         self._comm = self._parent.Dup()
         self._diag = self._parent.Dup()
         self._diagnosis = Diagnosis(self._diag, self.rank, self.size)
+        self.presence = Presence(self._comm, self.rank, self.size, lambda: self._seq)
         if self._end is not None:
             self._end = self._parent.Dup()
         self._set_up_persistent()

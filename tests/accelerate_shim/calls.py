@@ -24,13 +24,6 @@ SPLIT_TENSOR_REASON = (
     "Accelerate 1.15 fails its own test_split_between_processes_tensor at n > 2 "
     "(ranks past 2 rows get an empty share, as in mpaccel; the script expects the last row)"
 )
-# Every rank passes its own TemporaryDirectory to save_state/load_state; mpaccel writes each
-# rank's shard into that rank's directory and the index into rank 0's (issue 21).
-PER_RANK_DIRECTORY_REASON = (
-    "save_state()/load_state() with a different directory on each rank (a TemporaryDirectory "
-    "per rank): mpaccel's checkpoint does not agree on rank 0's directory yet (issue 21)"
-)
-
 
 # (split_batches, dispatch_batches, sync_each_batch), as main() loops over them
 _FLAGS = [f"({a},{b},{c})" for a in (True, False) for b in (True, False) for c in (True, False)]
@@ -112,8 +105,7 @@ CALLS: dict[str, list[Call]] = {
              _TWO),
         Call("test_stateful_dataloader", "test_stateful_dataloader(create_accelerator())", _TWO),
         Call("test_stateful_dataloader_save_state",
-             "test_stateful_dataloader_save_state(create_accelerator())", _TWO,
-             xfail="True", reason=PER_RANK_DIRECTORY_REASON),
+             "test_stateful_dataloader_save_state(create_accelerator())", _TWO),
     ],
     "external_deps/test_metrics.py": [
         *[Call(f"test_torch_metrics(split_batches={split},dispatch_batches={dispatch},99)",
