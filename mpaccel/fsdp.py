@@ -10,7 +10,7 @@ import inspect
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -372,15 +372,18 @@ def is_sharded(tensor: Any) -> bool:
     return isinstance(tensor, DTensor)
 
 
-@contextmanager
-def no_gradient_sync(model: Any) -> Iterator[None]:
+def no_gradient_sync(model: Any) -> AbstractContextManager[None]:
     """Not collective. Inside the block, backward accumulates whole gradients locally (no
     reduce-scatter); the first backward after it reduces them all. A model that is no FSDP
-    module: nothing to do."""
+    module: a null context (not a generator: its frame would keep the model, and DDP's
+    process group, alive longer, which let torch's gloo teardown deadlock in Accelerate's
+    test_sync.py)."""
     module = fsdp_module(model)
-    if module is None:
-        yield
-        return
+    return nullcontext() if module is None else _gradient_sync_off(module)
+
+
+@contextmanager
+def _gradient_sync_off(module: FSDPModule) -> Iterator[None]:
     module.set_requires_gradient_sync(False)
     try:
         yield
