@@ -9,10 +9,7 @@ checkpoint is complete only once both are there and belong together."""
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
-
-import torch
 
 from ..comm import Comm, agreement
 from . import rawio
@@ -22,6 +19,7 @@ from .sharded import SHARDED_STEM, LocalState, collect_local, write_local
 from .sharded_read import Plan, apply, plan, read_plan
 from .stateful import TrainingState
 from .storage import check_same_on_every_rank
+from .training_state import load_into
 
 STATE_STEM = "state"
 SAVE_ID = "sharded"  # the key of the state index's metadata naming the sharded part's save id
@@ -118,19 +116,5 @@ class ShardedLoad:
                        kind=CheckpointCollectiveError):
             for planned in self.plans:
                 for name, state in apply(planned).items():
-                    obj = self.targets[name][0]
-                    try:
-                        if isinstance(obj, torch.nn.Module):
-                            obj.load_state_dict(state, **{"strict": True, **model_options})
-                        else:
-                            obj.load_state_dict(state)
-                    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-                        raise CheckpointError(
-                            f"cannot load {name} from {self.directory!r}: {exc}",
-                            "the checkpoint was written for other objects (another model or "
-                            "optimizer layout, or prepare() called in another order).",
-                        ) from exc
-
-
-def sharded_part(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, f"{SHARDED_STEM}.index.json"))
+                    load_into(name, self.targets[name][0], state, self.directory,
+                              model_options)
