@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, distributed, fsdp, ops, preemption, sharding, tracking, training
+from . import checkpoint, distributed, ops, preemption, tracking, training
 from .comm import agreement
 from .config import (
     AutocastKwargs,
@@ -481,8 +481,10 @@ class Accelerator:
             )
         prepared: list[Any] = list(args)
         kinds = (torch.nn.Module, torch.optim.Optimizer, DataLoader)
-        detached = []
+        detached: list[Any] = []
         if self.state.fsdp_plugin is not None:  # the optimizers must not pin the whole tensors
+            from . import sharding
+
             optimizers = [getattr(o, "optimizer", o) for o in args if _is_optimizer(o)]
             models = [m for m in args if isinstance(m, torch.nn.Module)]
             if not models:
@@ -491,7 +493,10 @@ class Accelerator:
         for index, obj in enumerate(args):  # schedulers need the prepared optimizers first
             if isinstance(obj, kinds):
                 prepared[index] = self._prepare_one(obj, device_placement[index])
-        sharding.attach_optimizers(detached)
+        if detached:
+            from . import sharding
+
+            sharding.attach_optimizers(detached)
         for index, obj in enumerate(args):
             if _is_scheduler(obj):
                 prepared[index] = self.prepare_scheduler(obj)
@@ -520,6 +525,8 @@ class Accelerator:
                 return model if training.is_compiled_module(model) else prepared
         placement = device_placement if device_placement is not None else self.device_placement
         if self.state.fsdp_plugin is not None:  # collective: fully_shard in place
+            from . import sharding
+
             model = sharding.shard_model(
                 model, self.state.fsdp_plugin, self.state.device_mesh, self._partial.comm,
                 self.device, placement,
@@ -703,7 +710,15 @@ class Accelerator:
         reduce-scattered (FSDP: each rank accumulates whole gradients until the next
         synchronising backward); a no-op otherwise."""
         ddp = distributed.ddp_of(model)
-        with ddp.no_sync() if ddp is not None else fsdp.no_gradient_sync(model):
+        if ddp is not None:
+            with ddp.no_sync():
+                yield
+        elif self.state.fsdp_plugin is not None:
+            from . import fsdp
+
+            with fsdp.no_gradient_sync(model):
+                yield
+        else:
             yield
 
     @staticmethod
@@ -752,6 +767,8 @@ class Accelerator:
         Under FSDP, collective: the norm is the whole model's, reduced over the shards."""
         self.unscale_gradients()
         if self.state.fsdp_plugin is not None:
+            from . import fsdp
+
             return fsdp.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
@@ -848,8 +865,11 @@ class Accelerator:
         or with `all_ranks=True` on every rank."""
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
-        if fsdp.fsdp_module(model) is not None:
-            return fsdp.full_state_dict(model, everywhere=all_ranks)
+        if self.state.fsdp_plugin is not None:
+            from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+            if fsdp.fsdp_module(model) is not None:
+                return fsdp.full_state_dict(model, everywhere=all_ranks)
         return model.state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
