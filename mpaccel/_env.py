@@ -321,6 +321,34 @@ VARIABLES: dict[str, Variable] = {
         Choice(("auto", "bar", "lines", "off", "1", "0", "true", "false", "yes", "no", "on")),
         "MPACCEL_PROGRESS",
     ),
+    # Accelerate's FSDP settings (FullyShardedDataParallelPlugin's defaults; docs/training.md).
+    "use_fsdp": _var(FLAG, "MPACCEL_USE_FSDP", "ACCELERATE_USE_FSDP"),
+    "fsdp_version": _var(Integer(1, 2), "FSDP_VERSION"),
+    "fsdp_sharding_strategy": _var(
+        # Accelerate's names, and FSDP1's codes (1-5) that older configs wrote.
+        Choice(
+            (
+                *("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"),
+                *("1", "2", "3", "4", "5"),
+            )
+        ),
+        "FSDP_SHARDING_STRATEGY",
+    ),
+    "fsdp_auto_wrap_policy": _var(
+        Choice(("transformer_based_wrap", "size_based_wrap", "no_wrap")), "FSDP_AUTO_WRAP_POLICY"
+    ),
+    "fsdp_transformer_cls_to_wrap": _var(TEXT, "FSDP_TRANSFORMER_CLS_TO_WRAP"),
+    "fsdp_min_num_params": _var(Integer(0, 2**63 - 1), "FSDP_MIN_NUM_PARAMS"),
+    "fsdp_reshard_after_forward": _var(FLAG, "FSDP_RESHARD_AFTER_FORWARD"),
+    "fsdp_state_dict_type": _var(
+        Choice(("sharded_state_dict", "full_state_dict")), "FSDP_STATE_DICT_TYPE"
+    ),
+    "fsdp_cpu_ram_efficient_loading": _var(FLAG, "FSDP_CPU_RAM_EFFICIENT_LOADING"),
+    "fsdp_activation_checkpointing": _var(FLAG, "FSDP_ACTIVATION_CHECKPOINTING"),
+    "fsdp_offload_params": _var(FLAG, "FSDP_OFFLOAD_PARAMS"),
+    "fsdp_ignored_modules": _var(TEXT, "FSDP_IGNORED_MODULES"),
+    "dp_replicate_size": _var(COUNT, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"),
+    "dp_shard_size": _var(COUNT, "PARALLELISM_CONFIG_DP_SHARD_SIZE"),
     "test_timeout": _var(Number(0.0, YEAR, "seconds"), "MPACCEL_TEST_TIMEOUT"),
     "mpiexec": _var(TEXT, "MPACCEL_MPIEXEC"),
     "ci": _var(TEXT, "CI"),
@@ -443,11 +471,15 @@ def _quoted(text: str, limit: int = 120) -> str:
     return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
+# Variables users set themselves (the others are set by launchers and Slurm).
+_USER_PREFIXES = ("MPACCEL_", "ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
+
+
 def _bad_value(name: str, text: str, accepted: str) -> Exception:
     """The ConfigurationError for variable `name` holding `text` instead of `accepted`."""
     from .errors import ConfigurationError  # a ValueError; imported late: errors is tiny anyway
 
-    if name.startswith(("MPACCEL_", "ACCELERATE_")):
+    if name.startswith(_USER_PREFIXES):
         hint = f"set {name} to such a value, or unset it (docs/launching.md lists the variables)."
     elif name.startswith(("MLFLOW_", "CLEARML_")):
         hint = f"set {name} to such a value, or unset it (docs/tracking.md)."

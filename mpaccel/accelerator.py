@@ -26,8 +26,6 @@ from .config import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
-    DistributedType,
-    DynamoBackend,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -38,6 +36,10 @@ from .config import (
 )
 from .data import PreparedLoader, skip_first_batches
 from .device import release_memory
+from .enums import (
+    DistributedType,
+    DynamoBackend,
+)
 from .errors import ConfigurationError, MpaccelRuntimeWarning, MpaccelWarning
 from .prepare import agreed_seed
 from .prepare import build as build_prepared
@@ -472,7 +474,9 @@ class Accelerator:
         """Collective. Models, optimizers, dataloaders and schedulers, in any order, returned
         in the same order: models on the device (DistributedDataParallel on several ranks, its
         parameters broadcast from rank 0), optimizers and schedulers aware of accumulation,
-        dataloaders sharded across ranks. Anything else is returned as it is."""
+        dataloaders sharded across ranks. Anything else is returned as it is. With an FSDP plugin
+        the models are fully sharded instead, and the optimizers passed with them re-pointed at
+        the shards (pass each model with its optimizer, as Accelerate requires for FSDP2)."""
         if device_placement is None:
             device_placement = [self.device_placement] * len(args)
         elif len(device_placement) != len(args):
@@ -481,9 +485,22 @@ class Accelerator:
             )
         prepared: list[Any] = list(args)
         kinds = (torch.nn.Module, torch.optim.Optimizer, DataLoader)
+        detached: list[Any] = []
+        if self.state.fsdp_plugin is not None:  # the optimizers must not pin the whole tensors
+            from . import sharding
+
+            optimizers = [getattr(o, "optimizer", o) for o in args if _is_optimizer(o)]
+            models = [m for m in args if isinstance(m, torch.nn.Module)]
+            if not models:
+                sharding.check_optimizers(optimizers, self._models)
+            detached = sharding.detach_optimizers(models, optimizers)
         for index, obj in enumerate(args):  # schedulers need the prepared optimizers first
             if isinstance(obj, kinds):
                 prepared[index] = self._prepare_one(obj, device_placement[index])
+        if detached:
+            from . import sharding
+
+            sharding.attach_optimizers(detached)
         for index, obj in enumerate(args):
             if _is_scheduler(obj):
                 prepared[index] = self.prepare_scheduler(obj)
@@ -510,12 +527,21 @@ class Accelerator:
         for prepared in self._models:
             if inner is self.unwrap_model(prepared, keep_torch_compile=False):
                 return model if training.is_compiled_module(model) else prepared
-        if device_placement if device_placement is not None else self.device_placement:
+        placement = device_placement if device_placement is not None else self.device_placement
+        if self.state.fsdp_plugin is not None:  # collective: fully_shard in place
+            from . import sharding
+
+            model = sharding.shard_model(
+                model, self.state.fsdp_plugin, self.state.device_mesh, self._partial.comm,
+                self.device, placement,
+            )  # fmt: skip
+        elif placement:
             model = model.to(self.device)
         patch_forward(model, self.mixed_precision, self.device, self._autocast_options())
         self._models.append(model)
         trainable = any(p.requires_grad for p in model.parameters())
-        if self.num_processes > 1 and trainable and not evaluation_mode:
+        ddp = self.state.fsdp_plugin is None and self.num_processes > 1
+        if ddp and trainable and not evaluation_mode:
             options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
             model = distributed.wrap_ddp(model, self.device, **options)
             if self.ddp_handler is not None:
@@ -684,10 +710,19 @@ class Accelerator:
 
     @contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
-        """Gradients computed in this block are not all-reduced (DDP only, compiled or not; a
-        no-op otherwise)."""
+        """Gradients computed in this block are not all-reduced (DDP, compiled or not) nor
+        reduce-scattered (FSDP: each rank accumulates whole gradients until the next
+        synchronising backward); a no-op otherwise."""
         ddp = distributed.ddp_of(model)
-        with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
+        if ddp is not None:
+            with ddp.no_sync():
+                yield
+        elif self.state.fsdp_plugin is not None:
+            from . import fsdp
+
+            with fsdp.no_gradient_sync(model):
+                yield
+        else:
             yield
 
     @staticmethod
@@ -732,8 +767,13 @@ class Accelerator:
         self, parameters: Any, max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
         """Clip the gradients' total norm (after fp16 unscaling); returns the total norm before
-        clipping. After DDP's all-reduce the gradients, and so the norm, agree on every rank."""
+        clipping. After DDP's all-reduce the gradients, and so the norm, agree on every rank.
+        Under FSDP, collective: the norm is the whole model's, reduced over the shards."""
         self.unscale_gradients()
+        if self.state.fsdp_plugin is not None:
+            from . import fsdp
+
+            return fsdp.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
@@ -819,12 +859,21 @@ class Accelerator:
         keep_torch_compile=False."""
         return training.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        """Not collective. The model's state_dict (of the unwrapped model by default: no
-        `module.` prefix from DDP, nor `_orig_mod.` from torch.compile), as Accelerate's, to
-        save it or hand it to another library."""
+    def get_state_dict(
+        self, model: torch.nn.Module, unwrap: bool = True, *, all_ranks: bool = False
+    ) -> dict[str, Any]:
+        """Not collective, but under FSDP. The model's state_dict (of the unwrapped model by
+        default: no `module.` prefix from DDP, nor `_orig_mod.` from torch.compile), as
+        Accelerate's, to save it or hand it to another library. A fully sharded model's is
+        gathered into whole CPU tensors: on rank 0 only (the others get {}), as Accelerate's,
+        or with `all_ranks=True` on every rank."""
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
+        if self.state.fsdp_plugin is not None:
+            from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+            if fsdp.fsdp_module(model) is not None:
+                return fsdp.full_state_dict(model, everywhere=all_ranks)
         return model.state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
@@ -1156,6 +1205,10 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"Accelerator(\n{self.state!r})"
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer)
 
 
 def _is_scheduler(obj: Any) -> bool:

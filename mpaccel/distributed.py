@@ -1,8 +1,9 @@
 """The data plane's bootstrap and teardown: torch.distributed, rendezvous brokered over MPI.
 
-The only module that imports torch.distributed. Rank 0 opens a TCPStore on a port the kernel
-picks (no MASTER_PORT race), broadcasts its address over MPI, and every rank joins with its MPI
-rank and size. No MASTER_ADDR, no torchrun.
+With mpaccel/fsdp.py (fully sharded training: FSDP2, DeviceMesh, DTensor), the only module that
+imports torch.distributed. Rank 0 opens a TCPStore on a port the kernel picks (no MASTER_PORT
+race), broadcasts its address over MPI, and every rank joins with its MPI rank and size. No
+MASTER_ADDR, no torchrun.
 """
 
 from __future__ import annotations
@@ -242,6 +243,17 @@ def init_process_group(
             store = dist.TCPStore(host, port, info.num_processes, False, store_timeout)
     with agreement(comm, "torch.distributed rendezvous", timeout=verdict_timeout, wrap=join_error):
         dist.init_process_group(store=store, **kwargs)
+    return chosen
+
+
+def init_world_of_one(device: torch.device, backend: str | None = None) -> str:
+    """Not collective (a job of one process). A process group of this process alone, for what
+    needs one even then (FSDP's device mesh): in-memory rendezvous, no network. Returns the
+    backend; an existing group is kept."""
+    if is_initialized():
+        return dist.get_backend()
+    chosen = backend_for(device, backend)
+    dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1)
     return chosen
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .config import DistributedType
+from .enums import DistributedType
 from .errors import ConfigurationError
 
 

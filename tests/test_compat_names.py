@@ -364,14 +364,19 @@ def test_plugins_of_other_engines_are_refused_with_a_hint(comm):
         TorchDynamoPlugin,
     )
 
-    for name in ("fsdp_plugin", "torch_tp_plugin", "parallelism_config", "deepspeed_plugin",
-                 "deepspeed_plugins", "megatron_lm_plugin"):
+    for name in ("torch_tp_plugin", "deepspeed_plugin", "deepspeed_plugins",
+                 "megatron_lm_plugin"):
         reset_state()
         with pytest.raises(ConfigurationError, match="HINT: mpaccel trains with Distributed"):
             Accelerator(**{name: object()})
-    for cls in (DeepSpeedPlugin, FullyShardedDataParallelPlugin, ParallelismConfig):
-        with pytest.raises(ConfigurationError, match="HINT"):
-            cls()
+    with pytest.raises(ConfigurationError, match="HINT"):
+        DeepSpeedPlugin()
+    # FSDP is driven (tests/test_fsdp.py): its plugins must be the real classes.
+    for name, cls in (("fsdp_plugin", FullyShardedDataParallelPlugin),
+                      ("parallelism_config", ParallelismConfig)):
+        reset_state()
+        with pytest.raises(ConfigurationError, match=f"must be a {cls.__name__}"):
+            Accelerator(**{name: object()})
     reset_state()
     with pytest.raises(ConfigurationError, match="not both"):
         Accelerator(dynamo_backend="eager", dynamo_plugin=TorchDynamoPlugin())

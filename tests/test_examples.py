@@ -77,6 +77,25 @@ def test_train_example_stops_early():
     assert "early stop after epoch 0" in run.stdout[0]
 
 
+def test_train_fsdp_example_shards_unevenly_over_a_hybrid_mesh():
+    # n=3: 3 does not divide the model's rows (uneven shards); one node: a (1, 3) mesh
+    run = run_mpi(
+        [str(EXAMPLES / "train_fsdp.py"), "--epochs", "2", "--samples", "384", "--hybrid"],
+        n=3,
+        timeout=300,
+    ).check()
+    out = run.stdout[0]
+    assert "3 process(es), mesh (1, 3) ('dp_replicate', 'dp_shard'); 110400 parameters" in out
+    local = int(re.search(r"(\d+) on rank 0", out).group(1))
+    assert 110400 / 3 <= local < 110400 / 2  # rank 0's share: a third, rounded up per tensor
+    losses = [float(v) for v in re.findall(r"epoch \d loss ([\d.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0], out  # it learns
+    assert "full state dict: 30 tensors, 110400 values" in out
+    assert all(other.strip() == "" for other in run.stdout[1:]), run.describe()
+    assert re.search(r"^epoch 1: 100% ", run.stderr[0], re.M), run.stderr[0]  # the bar, rank 0
+    assert all("epoch" not in other for other in run.stderr[1:]), run.describe()
+
+
 def test_process_control_example():
     run = run_mpi([str(EXAMPLES / "process_control.py")], n=4, timeout=120).check()
     everything = "".join(run.stdout)

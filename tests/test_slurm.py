@@ -158,6 +158,32 @@ def test_srun_layout_on_two_nodes(slurm_env):
     assert rows == [(0, 0, 0, 2, 4), (1, 1, 0, 2, 4), (2, 0, 1, 2, 4), (3, 1, 1, 2, 4)]
 
 
+def test_hybrid_shard_mesh_is_the_nodes_and_trains_across_them(slurm_env):
+    # 2 nodes x 2 tasks: HYBRID_SHARD shards within each node (ranks 0,1 | 2,3) and replicates
+    # across them (0,2 | 1,3), from discovery's node facts: nothing here names the layout.
+    probe = ("import torch; from mpaccel import Accelerator; "
+             "from mpaccel.utils import FullyShardedDataParallelPlugin as P; "
+             "a = Accelerator(fsdp_plugin=P(sharding_strategy='HYBRID_SHARD')); "
+             "m = a.torch_device_mesh; "
+             "w = a.prepare(torch.nn.Linear(4, 6)).weight; "
+             "print(a.process_index, m['dp_shard'].mesh.tolist(), m['dp_replicate'].mesh.tolist(), "
+             "tuple(w.to_local().shape), flush=True)")
+    run = _srun(slurm_env, "--mpi=pmi2", "-N", "2", "--ntasks-per-node=2", "python", "-c", probe)
+    assert run.returncode == 0, run.stderr
+    rows = sorted(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert rows == [["0", "[0, 1] [0, 2] (3, 4)"], ["1", "[0, 1] [1, 3] (3, 4)"],
+                    ["2", "[2, 3] [0, 2] (3, 4)"], ["3", "[2, 3] [1, 3] (3, 4)"]], run.stdout
+    run = _srun(slurm_env, "--mpi=pmi2", "-N", "2", "--ntasks-per-node=2", "python",
+                "examples/train_fsdp.py", "--hybrid", "--epochs", "2", "--samples", "512",
+                timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "mesh (2, 2) ('dp_replicate', 'dp_shard')" in run.stdout, run.stdout
+    # accelerator.print: once per node
+    losses = dict(re.findall(r"epoch (\d) loss ([\d.]+)", run.stdout))
+    assert len(losses) == 2 and float(losses["1"]) < float(losses["0"]), run.stdout
+    assert run.stdout.count("full state dict: 30 tensors, 110400 values") == 1, run.stdout
+
+
 def test_ofi_with_the_progress_thread_trains_across_two_nodes(slurm_env):
     # The way round the pmi2 bug that docs/slurm.md gives: MPICH's libfabric netmod (its address
     # fits in one short PMI request) and mpaccel's progress thread (without it this run hung).

@@ -49,14 +49,14 @@ def _world_size_from_launcher() -> int:
 
 
 def _discover_job() -> Discovery:
-    """Collective over COMM_WORLD: mpaccel's discovery (state._discover), run at configure time.
+    """Collective over COMM_WORLD: mpaccel's discovery (partial_state._discover), at configure time.
 
     Discovery duplicates COMM_WORLD, a blocking collective that a waiting rank cannot abandon:
     inside a test, a rank that failed before its first PartialState() would leave the others
     there until the deadline. Done here, every rank takes part, and tests only ever reuse it
     (reset_state keeps discovery, as does AcceleratorState._reset_state). Its launch checks
     (silent singletons: the launcher says N, MPI sees 1) become a usage error on every rank."""
-    from .. import state
+    from .. import partial_state as state
     from ..errors import ConfigurationError, LaunchError
 
     timeout, problem = state.DEFAULT_TIMEOUT, None

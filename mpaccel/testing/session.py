@@ -142,7 +142,7 @@ class MPISession:
             self._late_alerts = absent
 
     def _resync_if_needed(self) -> None:
-        from .. import state
+        from .. import partial_state as state
 
         discovery = state._discovery
         mpaccel_comm = getattr(discovery, "comm", None)

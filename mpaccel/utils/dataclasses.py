@@ -1,30 +1,37 @@
 """Accelerate's module path for its configuration classes (`accelerate.utils.dataclasses`): the
-same objects as mpaccel.config."""
+same objects as mpaccel.config, mpaccel.enums and mpaccel.config_fsdp."""
 
 from ..config import (
     AutocastKwargs,
-    ComputeEnvironment,
     DataLoaderConfiguration,
-    DDPCommunicationHookType,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
-    DistributedType,
-    DynamoBackend,
-    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
-    LoggerType,
     MegatronLMPlugin,
-    ParallelismConfig,
-    PrecisionType,
     ProfileKwargs,
     ProjectConfiguration,
-    RNGType,
-    SageMakerDistributedType,
     TorchDynamoPlugin,
     TorchTensorParallelPlugin,
+)
+from ..config_fsdp import (
+    FSDPAutoWrapPolicy,
+    FSDPShardingStrategy,
+    FSDPStateDictType,
+    FullyShardedDataParallelPlugin,
+    ParallelismConfig,
+)
+from ..enums import (
+    ComputeEnvironment,
+    DDPCommunicationHookType,
+    DistributedType,
+    DynamoBackend,
+    LoggerType,
+    PrecisionType,
+    RNGType,
+    SageMakerDistributedType,
 )
 from .operations import TensorInformation
 
@@ -37,6 +44,9 @@ __all__ = [
     "DistributedDataParallelKwargs",
     "DistributedType",
     "DynamoBackend",
+    "FSDPAutoWrapPolicy",
+    "FSDPShardingStrategy",
+    "FSDPStateDictType",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",

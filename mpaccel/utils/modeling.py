@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..config import AutocastKwargs, DistributedType
+from ..config import AutocastKwargs
+from ..enums import DistributedType
 from ..training import autocast_context, make_grad_scaler
 from .imports import is_peft_available
 from .other import extract_model_from_parallel

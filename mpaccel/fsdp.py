@@ -1,0 +1,452 @@
+"""The data plane of fully sharded training: torch's FSDP2 (`fully_shard`), its DeviceMesh
+(built from discovery's node layout for hybrid sharding) and DTensor parameters.
+
+Imported only once an FSDP plugin is in use: importing it at mpaccel's import made Accelerate's
+test_sync.py (DDP) hang at its end in most runs at -n 4 (a torch gloo teardown race whose odds
+the import changed). With distributed.py, the only module importing torch.distributed. Functions
+say which ranks call them; the collective ones must be called by every rank in the same order."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from . import distributed
+from .comm import Comm
+from .errors import ConfigurationError, MpaccelWarning
+
+SHARD_DIM = "dp_shard"
+REPLICATE_DIM = "dp_replicate"
+
+
+def mixed_precision_policy(**fields: Any) -> MixedPrecisionPolicy:
+    """torch's MixedPrecisionPolicy (config_fsdp builds it through here)."""
+    return MixedPrecisionPolicy(**fields)
+
+
+def offload_policy(setting: Any) -> Any:
+    """torch's CPUOffloadPolicy for the plugin's cpu_offload (True or a policy)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return setting if isinstance(setting, CPUOffloadPolicy) else CPUOffloadPolicy()
+
+
+# -- the mesh ------------------------------------------------------------------------------------
+
+
+def node_grid(layout: list[tuple[int, int]]) -> list[list[int]]:
+    """Ranks by node: `layout[rank] = (node_index, local_process_index)` -> grid[node][local] =
+    rank. Ranks of a node need not be consecutive (round-robin placement); every node must run
+    as many ranks, else there is no rectangular mesh (ConfigurationError)."""
+    nodes: dict[int, dict[int, int]] = {}
+    for rank, (node, local) in enumerate(layout):
+        nodes.setdefault(node, {})[local] = rank
+    sizes = {node: len(members) for node, members in sorted(nodes.items())}
+    if len(set(sizes.values())) > 1:
+        raise ConfigurationError(
+            f"HYBRID_SHARD needs the same number of ranks on every node; ranks per node: {sizes}",
+            "launch as many tasks on each node (srun --ntasks-per-node=K, mpiexec -ppn K), or "
+            "give the mesh shape yourself: ParallelismConfig(dp_replicate_size=R, "
+            "dp_shard_size=S) shards over consecutive ranks.",
+        )
+    return [[members[i] for i in range(len(members))] for _, members in sorted(nodes.items())]
+
+
+def build_mesh(
+    comm: Comm,
+    device_type: str,
+    node: tuple[int, int],
+    hybrid: bool,
+    shape: tuple[int, int] | None = None,
+) -> DeviceMesh:
+    """Collective: every rank calls this, with the same `hybrid` and `shape`. The DeviceMesh
+    FSDP shards over: 1-D ('dp_shard') over every rank; with `shape` (replicate, shard) a 2-D
+    ('dp_replicate', 'dp_shard') mesh of consecutive ranks; with `hybrid`, one shard group per
+    node (from discovery's `node` = (node_index, local_process_index) of each rank, gathered
+    over MPI), replicated across nodes."""
+    size = comm.size
+    if hybrid:
+        layout = comm.allgather(node, what="building the hybrid sharding mesh")
+        grid = torch.tensor(node_grid([tuple(x) for x in layout]), dtype=torch.int)
+    elif shape is not None:
+        grid = torch.arange(size, dtype=torch.int).reshape(shape)
+    else:
+        return DeviceMesh(device_type, torch.arange(size, dtype=torch.int), mesh_dim_names=(
+            SHARD_DIM,))
+    return DeviceMesh(device_type, grid, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+
+
+def shard_group_size(mesh: DeviceMesh) -> int:
+    """How many ranks share out each parameter."""
+    return int(mesh[SHARD_DIM].size())
+
+
+# -- which blocks become FSDP units --------------------------------------------------------------
+
+
+def _bottom_up(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every submodule once, children before their parents, the root excluded."""
+    seen: set[int] = {id(model)}
+    order: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if id(child) not in seen:
+                seen.add(id(child))
+                visit(child)
+                order.append(child)
+
+    visit(model)
+    return order
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _callable_policy(policy: Callable) -> Callable[[torch.nn.Module], bool]:
+    """`policy(module) -> bool`, or torch's FSDP1 form `policy(module, recurse,
+    nonwrapped_numel)` (a partial of transformer_auto_wrap_policy, say) asked about one module."""
+    try:
+        names = set(inspect.signature(policy).parameters)
+    except (TypeError, ValueError):
+        names = set()
+    if "recurse" in names and "nonwrapped_numel" in names:
+        return lambda m: bool(policy(module=m, recurse=False, nonwrapped_numel=_numel(m)))
+    return lambda m: bool(policy(m))
+
+
+def blocks_to_wrap(model: torch.nn.Module, plugin: Any) -> tuple[list[torch.nn.Module], str]:
+    """Not collective. The submodules `plugin.auto_wrap_policy` makes FSDP units of their own,
+    children before parents, and a warning ('' if none) when it selects nothing it was meant
+    to: class names that match no module (naming the classes the model has)."""
+    from .config_fsdp import FSDPAutoWrapPolicy
+
+    policy = plugin.auto_wrap_policy
+    everything = _bottom_up(model)
+    # fully_shard refuses containers without a forward (ModuleList, ModuleDict).
+    candidates = [m for m in everything if type(m).forward is not torch.nn.Module.forward]
+    if policy is FSDPAutoWrapPolicy.NO_WRAP:
+        return [], ""
+    if policy is FSDPAutoWrapPolicy.SIZE_BASED_WRAP:
+        limit = plugin.min_num_params
+        chosen = [m for m in candidates if limit > 0 and _numel(m) > limit]
+        largest = max(map(_numel, candidates), default=0)
+        note = "" if chosen else (
+            f"auto_wrap_policy='size_based_wrap' with min_num_params={limit} selects no "
+            f"submodule of {type(model).__name__} (largest: {largest}"
+            " parameters): only the root is sharded, and each forward gathers the whole model"
+        )
+        return chosen, note
+    if policy is FSDPAutoWrapPolicy.TRANSFORMER_BASED_WRAP:
+        names = plugin.transformer_cls_names_to_wrap
+        if names is None:
+            names = list(getattr(model, "_no_split_modules", None) or [])
+        present = {type(m).__name__: type(m) for m in [model, *everything]}
+        classes = tuple(present[n] for n in names if n in present)
+        chosen = [m for m in candidates if classes and isinstance(m, classes)]
+        missing = [n for n in names if n not in present]
+        note = ""
+        if missing or not chosen:
+            found = sorted(present)
+            shown = ", ".join(found[:30]) + (f" and {len(found) - 30} more" if len(found) > 30
+                                             else "")
+            asked = f"transformer_cls_names_to_wrap={names!r}" if names else (
+                "no transformer_cls_names_to_wrap (and the model has no _no_split_modules)")
+            note = (
+                f"auto_wrap_policy='transformer_based_wrap' with {asked}: "
+                + (f"{missing!r} match no module; " if missing else "")
+                + f"the model's classes are: {shown}"
+                + ("" if chosen else "; only the root is sharded, and each forward gathers "
+                   "the whole model")
+            )
+        return chosen, note
+    test = _callable_policy(policy)
+    return [m for m in candidates if test(m)], ""
+
+
+def _parents(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+    parents: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, child in module.named_children():
+            parents.setdefault(id(child), []).append((module, name))
+    return parents
+
+
+def checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[Any]:
+    """Not collective. Put each block behind torch's checkpoint wrapper (its activations are
+    recomputed in backward); returns the wrappers, which take the blocks' place. The state
+    dict's keys are unchanged (the wrapper removes its prefix)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    parents = _parents(model)
+    wrapped = []
+    for block in blocks:
+        wrapper = checkpoint_wrapper(block)
+        for parent, name in parents.get(id(block), []):
+            setattr(parent, name, wrapper)
+        wrapped.append(wrapper)
+    return wrapped
+
+
+def ignored_parameters(model: torch.nn.Module, ignored: Any) -> set[torch.nn.Parameter]:
+    """Not collective. The parameters of `ignored` (modules, or a regex their names fully
+    match)."""
+    if ignored is None:
+        return set()
+    if isinstance(ignored, str):
+        pattern = re.compile(ignored)
+        modules = [m for name, m in model.named_modules() if pattern.fullmatch(name)]
+    else:
+        modules = list(ignored)
+    return {p for m in modules for p in m.parameters()}
+
+
+# -- sharding a model ----------------------------------------------------------------------------
+
+
+def has_meta_tensors(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def structure(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of each state tensor, to compare models across ranks."""
+    return [(n, tuple(t.shape), str(t.dtype)) for n, t in model.state_dict().items()]
+
+
+class _Pending:
+    """Stands in an optimizer's parameter list while the parameter is being sharded, so that
+    the optimizer no longer holds the whole tensor (its memory is freed as shards replace it)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def detach_optimizers(
+    model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+) -> list[list[Any]]:
+    """Not collective. Replace, in each param group, the parameters of `model` by placeholders
+    naming them (in place: an optimizer caching its list, as LBFGS does, sees the change);
+    returns the groups to hand to attach_optimizers."""
+    names = {id(p): canonical_name(name) for name, p in model.named_parameters()}
+    groups = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                if id(p) in names:
+                    params[i] = _Pending(names[id(p)])
+            groups.append(params)
+    return groups
+
+
+# Wrappers that prepare() may put between a module and its parameters: not part of the name.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def attach_optimizers(model: torch.nn.Module, groups: list[list[Any]]) -> None:
+    """Not collective. Put the sharded parameters where detach_optimizers left placeholders
+    (param groups and their hyperparameters are kept)."""
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    for group in groups:
+        for i, p in enumerate(group):
+            if isinstance(p, _Pending):
+                group[i] = params[canonical_name(p.name)]
+
+
+def _broadcast_states(model: torch.nn.Module) -> None:
+    """Collective: every rank's parameters and buffers become rank 0's, in place (as DDP does
+    at wrap time): a model initialised differently on each rank must not be sharded from rows of
+    different models."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            distributed.broadcast(tensor.data, 0)
+
+
+def _rank0_states(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
+    """Rank 0's tensors by state-dict key, plus its non-persistent buffers (by module path),
+    before the model goes to the meta device; other ranks keep nothing."""
+    if not is_main:
+        return {}
+    states = {k: v.detach() for k, v in model.state_dict().items()}
+    for name, buffer in model.named_buffers():
+        states.setdefault(name, buffer.detach())
+    return states
+
+
+def _load_from_rank0(
+    model: torch.nn.Module, states: dict[str, torch.Tensor], device: torch.device, is_main: bool
+) -> None:
+    """Collective. Every rank's sharded model (on the meta device) receives rank 0's tensors:
+    each whole tensor is broadcast in turn and each rank keeps its own rows."""
+    meta = model.state_dict()
+    loaded: dict[str, torch.Tensor] = {}
+    for key, target in meta.items():
+        local = target.to_local() if isinstance(target, DTensor) else target
+        shape = target.shape
+        full = states[key].to(device) if is_main else torch.empty(
+            shape, dtype=local.dtype, device=device)
+        distributed.broadcast(full, 0)
+        if isinstance(target, DTensor):
+            loaded[key] = distribute_tensor(
+                full, target.device_mesh, target.placements, src_data_rank=None)
+        else:
+            loaded[key] = full
+    model.load_state_dict(loaded, assign=True)
+    persistent = set(meta)
+    for name, buffer in list(model.named_buffers()):
+        if name in persistent:
+            continue
+        full = states[name].to(device) if is_main else torch.empty(
+            buffer.shape, dtype=buffer.dtype, device=device)
+        distributed.broadcast(full, 0)
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(leaf, full, persistent=False)
+
+
+def shard(
+    model: torch.nn.Module,
+    blocks: list[torch.nn.Module],
+    mesh: DeviceMesh,
+    options: dict[str, Any],
+    reshard_after_forward: bool,
+    ignored: Any,
+    from_rank0: bool,
+    is_main: bool,
+    device: torch.device,
+) -> None:
+    """Collective. fully_shard each block (children first), then the root, over `mesh`.
+    `options`: fully_shard's mp_policy and offload_policy; `ignored`: the plugin's
+    ignored_modules. Parameters start as rank 0's: broadcast before sharding, or, `from_rank0`
+    (cpu_ram_efficient_loading), sent to a model sharded on the meta device (the other ranks'
+    may start there)."""
+    states: dict[str, torch.Tensor] = {}
+    if from_rank0:
+        states = _rank0_states(model, is_main)
+        model.to(torch.device("meta"))  # new parameter objects: ignored ones are found after
+    else:
+        _broadcast_states(model)
+    skipped = ignored_parameters(model, ignored)
+    if skipped:
+        options = {**options, "ignored_params": skipped}
+    for block in blocks:
+        if not isinstance(block, FSDPModule):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
+    # The root: torch's default keeps it gathered after forward (backward needs it at once)
+    # unless the user asked for no resharding anywhere.
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if reshard_after_forward else False,
+                **options)  # fmt: skip
+    if from_rank0:
+        _load_from_rank0(model, states, device, is_main)
+        states.clear()
+
+
+# -- training with a sharded model ---------------------------------------------------------------
+
+
+def fsdp_module(model: Any) -> FSDPModule | None:
+    """The FSDP module `model` is, or holds under torch.compile's wrapper; None if none."""
+    while not isinstance(model, FSDPModule) and isinstance(
+        getattr(model, "_orig_mod", None), torch.nn.Module
+    ):
+        model = model._orig_mod
+    return model if isinstance(model, FSDPModule) else None
+
+
+def is_sharded(tensor: Any) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def no_gradient_sync(model: Any) -> AbstractContextManager[None]:
+    """Not collective. Inside the block, backward accumulates whole gradients locally (no
+    reduce-scatter); the first backward after it reduces them all. A model that is no FSDP
+    module: a null context (not a generator: its frame would keep the model, and DDP's
+    process group, alive longer, which let torch's gloo teardown deadlock in Accelerate's
+    test_sync.py)."""
+    module = fsdp_module(model)
+    return nullcontext() if module is None else _gradient_sync_off(module)
+
+
+@contextmanager
+def _gradient_sync_off(module: FSDPModule) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Collective (the norms of sharded gradients are reduced over their mesh). Clip the
+    gradients to a total `norm_type` norm of `max_norm`; returns the total norm before
+    clipping, as a plain tensor equal on every rank for sharded gradients (unsharded ones, of
+    ignored modules, count as each rank holds them)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        key = id(grad.device_mesh) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(grad)
+    if not groups:
+        return torch.tensor(0.0)
+    norms = [_full(torch.nn.utils.get_total_norm(grads, norm_type)) for grads in groups.values()]
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def full_state_dict(model: torch.nn.Module, everywhere: bool) -> dict[str, Any]:
+    """Collective. The model's state dict with whole tensors (on the CPU). `everywhere`: on
+    every rank, with rank 0's values for what is not sharded (buffers, which FSDP leaves to
+    each rank); else, as Accelerate's get_state_dict, on rank 0 only (the others get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+    state = get_model_state_dict(model, options=options)
+    if not everywhere:
+        return state
+    sharded = {k for k, v in model.state_dict().items() if isinstance(v, DTensor)}
+    for key, value in state.items():
+        if key not in sharded and isinstance(value, torch.Tensor):
+            distributed.broadcast(value, 0)
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+class StateHolder(torch.nn.Module):
+    """A module whose state_dict() is a given one: hands a consolidated state to code that
+    saves a module's state_dict (checkpoint.save_model). Holds no parameters or buffers."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        super().__init__()
+        self._held = state
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return dict(self._held)
+
+
+def warn(message: str, stacklevel: int = 4) -> None:
+    warnings.warn(message, MpaccelWarning, stacklevel=stacklevel)
