@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, distributed, fsdp, ops, preemption, sharding, tracking, training
+from . import checkpoint, distributed, ops, preemption, tracking, training
 from .checkpoint import accelerate_layout, solo
 from .checkpoint.directories import agree_directory
 from .checkpoint.safetensors_out import save_safetensors
@@ -486,8 +486,10 @@ class Accelerator:
             )
         prepared: list[Any] = list(args)
         kinds = (torch.nn.Module, torch.optim.Optimizer, DataLoader)
-        detached = []
+        detached: list[Any] = []
         if self.state.fsdp_plugin is not None:  # the optimizers must not pin the whole tensors
+            from . import sharding
+
             optimizers = [getattr(o, "optimizer", o) for o in args if _is_optimizer(o)]
             models = [m for m in args if isinstance(m, torch.nn.Module)]
             if not models:
@@ -496,7 +498,10 @@ class Accelerator:
         for index, obj in enumerate(args):  # schedulers need the prepared optimizers first
             if isinstance(obj, kinds):
                 prepared[index] = self._prepare_one(obj, device_placement[index])
-        sharding.attach_optimizers(detached)
+        if detached:
+            from . import sharding
+
+            sharding.attach_optimizers(detached)
         for index, obj in enumerate(args):
             if _is_scheduler(obj):
                 prepared[index] = self.prepare_scheduler(obj)
@@ -525,6 +530,8 @@ class Accelerator:
                 return model if training.is_compiled_module(model) else prepared
         placement = device_placement if device_placement is not None else self.device_placement
         if self.state.fsdp_plugin is not None:  # collective: fully_shard in place
+            from . import sharding
+
             model = sharding.shard_model(
                 model, self.state.fsdp_plugin, self.state.device_mesh, self._partial.comm,
                 self.device, placement,
@@ -708,7 +715,15 @@ class Accelerator:
         reduce-scattered (FSDP: each rank accumulates whole gradients until the next
         synchronising backward); a no-op otherwise."""
         ddp = distributed.ddp_of(model)
-        with ddp.no_sync() if ddp is not None else fsdp.no_gradient_sync(model):
+        if ddp is not None:
+            with ddp.no_sync():
+                yield
+        elif self.state.fsdp_plugin is not None:
+            from . import fsdp
+
+            with fsdp.no_gradient_sync(model):
+                yield
+        else:
             yield
 
     @staticmethod
@@ -757,6 +772,8 @@ class Accelerator:
         Under FSDP, collective: the norm is the whole model's, reduced over the shards."""
         self.unscale_gradients()
         if self.state.fsdp_plugin is not None:
+            from . import fsdp
+
             return fsdp.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
@@ -853,8 +870,11 @@ class Accelerator:
         or with `all_ranks=True` on every rank."""
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
-        if fsdp.fsdp_module(model) is not None:
-            return fsdp.full_state_dict(model, everywhere=all_ranks)
+        if self.state.fsdp_plugin is not None:
+            from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+            if fsdp.fsdp_module(model) is not None:
+                return fsdp.full_state_dict(model, everywhere=all_ranks)
         return model.state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
@@ -900,8 +920,12 @@ class Accelerator:
         if safe_serialization:
             state = model_state(comm, self.unwrap_model(model))
             # a fully sharded model: every rank writes its rows of the same files, no gather
-            sharded = fsdp.fsdp_module(self.unwrap_model(model)) is not None
-            write = save_rows if sharded else save_safetensors
+            write = save_safetensors
+            if self.state.fsdp_plugin is not None:
+                from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+                if fsdp.fsdp_module(self.unwrap_model(model)) is not None:
+                    write = save_rows
             write(comm, state, os.fspath(save_directory), max_shard_size)
         else:
             checkpoint.save_model(comm, self.unwrap_model(model), save_directory, max_shard_size)
@@ -977,13 +1001,15 @@ class Accelerator:
         shared.update({f"custom_{i}": obj for i, obj in enumerate(self._custom_objects)})
         shared["accelerator"] = _AccumulationStep(self)
         named = {f"model_{i}": module for i, module in enumerate(unwrapped)}
-        sharded: dict[str, Any] = {
-            name: module for name, module in named.items() if fsdp.fsdp_module(module) is not None
-        }
         optimizers = {f"optimizer_{i}": opt for i, opt in enumerate(self._optimizers)}
-        if sharded:  # prepare() built every optimizer over the shards
-            sharded.update({name: fsdp.OptimizerState(opt, create=loading)
-                            for name, opt in optimizers.items()})
+        sharded: dict[str, Any] = {}
+        if self.state.fsdp_plugin is not None:
+            from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+            sharded = {name: m for name, m in named.items() if fsdp.fsdp_module(m) is not None}
+            if sharded:  # prepare() built every optimizer over the shards
+                sharded.update({name: fsdp.OptimizerState(opt, create=loading)
+                                for name, opt in optimizers.items()})
         return checkpoint.TrainingState(
             models={name: m for name, m in named.items() if name not in sharded},
             optimizers={name: o for name, o in optimizers.items() if name not in sharded},
@@ -1124,8 +1150,9 @@ class Accelerator:
             )
         except BaseException:  # a fresh optimizer is fresh again
             for obj in objects.sharded.values():
-                if isinstance(obj, fsdp.OptimizerState):
-                    obj.undo()
+                undo = getattr(obj, "undo", None)  # fsdp.OptimizerState's
+                if undo is not None:
+                    undo()
             raise
 
     def wait_for_checkpoint(self) -> None:

@@ -1,8 +1,10 @@
 """The data plane of fully sharded training: torch's FSDP2 (`fully_shard`), its DeviceMesh
 (built from discovery's node layout for hybrid sharding) and DTensor parameters.
 
-With distributed.py, the only module importing torch.distributed. Functions say which ranks call
-them; the collective ones must be called by every rank in the same order."""
+Imported only once an FSDP plugin is in use: importing it at mpaccel's import made Accelerate's
+test_sync.py (DDP) hang at its end in most runs at -n 4 (a torch gloo teardown race whose odds
+the import changed). With distributed.py, the only module importing torch.distributed. Functions
+say which ranks call them; the collective ones must be called by every rank in the same order."""
 
 from __future__ import annotations
 

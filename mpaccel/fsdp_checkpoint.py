@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from . import fsdp
 from .checkpoint import CheckpointError
 from .checkpoint.sharded import save_sharded
 from .checkpoint.sharded_read import load_sharded, read_full
@@ -83,6 +82,8 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
     _no_adapters(adapter_only)
     directory = _optimizer_dir(input_dir, optimizer_index)
     directory = directory if os.path.isdir(directory) else os.fspath(input_dir)
+    from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
     stateful = fsdp.OptimizerState(optimizer, create=True)
     try:
         loaded = load_sharded(PartialState().comm, directory,

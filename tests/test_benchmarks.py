@@ -66,3 +66,16 @@ def test_training_benchmark_runs():
     assert run.returncode == 0, run.stdout + run.stderr
     assert "| mpaccel | mpaccel |" in run.stdout and "| raw DDP | mpaccel |" in run.stdout
     assert "mpaccel / raw DDP (paired windows)" in run.stdout, run.stdout
+
+
+def test_fsdp_benchmark_runs():
+    # Tiny model, one round: the driver starts its own mpiexec jobs (n=1 and n=2).
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fsdp.py"), "--n", "1", "2", "--gib", "0.002",
+         "--d", "64", "--throughput-d", "64", "--blocks", "2", "--batch", "4", "--steps", "1",
+         "--rounds", "2", "--window", "1", "--timeout", "240"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "n=2: FSDP peak / DDP peak" in run.stdout, run.stdout
+    assert "n=2: mpaccel" in run.stdout and "raw fully_shard" not in run.stderr, run.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -68,12 +69,14 @@ def save_model(
         limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise CheckpointError(str(exc), "for example max_shard_size='10GB' or '500MB'.") from exc
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(v, DTensor) for v in module.state_dict().values()):
+    # no DTensor exists unless torch.distributed.tensor was imported (FSDP), and importing
+    # it here would change a gloo teardown race (see mpaccel/fsdp.py's docstring)
+    tensors = sys.modules.get("torch.distributed.tensor")
+    state = module.state_dict()
+    if tensors is not None and any(isinstance(v, tensors.DTensor) for v in state.values()):
         from .sharded_export import export_full
 
-        return export_full(comm, os.fspath(save_directory), module.state_dict(), limit)
+        return export_full(comm, os.fspath(save_directory), state, limit)
     state = model_state(comm, module)
     index = write_checkpoint(
         comm,
