@@ -264,6 +264,7 @@ print("reached the end", flush=True)
 
 
 @pytest.mark.mpi(size=1)  # each run starts its own mpiexec
+@pytest.mark.launches
 @pytest.mark.parametrize("then", ["wait", "end"])
 def test_the_main_process_idiom_runs_to_the_end(tmp_path, then):
     script = tmp_path / "job.py"

@@ -278,6 +278,7 @@ def _script(tmp_path: Path) -> Path:
 
 
 @pytest.mark.mpi(size=1)  # nests mpiexec
+@pytest.mark.launches
 def test_saved_at_4_loads_at_1_2_and_3(tmp_path):
     from mpaccel.testing import run_mpi
 
@@ -292,6 +293,7 @@ def test_saved_at_4_loads_at_1_2_and_3(tmp_path):
 
 
 @pytest.mark.mpi(size=1)  # nests mpiexec
+@pytest.mark.launches
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     from mpaccel.testing import run_mpi
 
@@ -377,6 +379,7 @@ def test_ckpt_ls_verify_and_export_read_sharded_checkpoints(group, mpi_tmp_path,
 
 
 @pytest.mark.mpi(size=1)  # nests mpiexec
+@pytest.mark.launches
 def test_fsdp_checkpoint_benchmark_runs(tmp_path):
     # not a test of speed (nothing timed is asserted): the script must keep running
     from mpaccel.testing import run_mpi

@@ -18,7 +18,8 @@ from mpaccel import _env
 from mpaccel.config import DeepSpeedPlugin, MegatronLMPlugin
 from mpaccel.errors import REFUSED, ConfigurationError, refused
 
-pytestmark = pytest.mark.mpi(size=1)  # introspection: nothing to run on several ranks
+# introspection, in a python of its own: nothing to run on several ranks
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "compat_table.py"
