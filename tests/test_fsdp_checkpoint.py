@@ -227,6 +227,7 @@ def _script(tmp_path: Path) -> Path:
     return script
 
 
+@pytest.mark.launches
 @pytest.mark.mpi(size=1)  # nests mpiexec
 def test_saved_at_4_loads_at_1_2_3_and_5(tmp_path):
     from mpaccel.testing import run_mpi
@@ -238,6 +239,7 @@ def test_saved_at_4_loads_at_1_2_3_and_5(tmp_path):
         assert f"loaded {n} fsdp\nloaded {n} plain" in run.stdout[0], run.describe()
 
 
+@pytest.mark.launches
 @pytest.mark.mpi(size=1)  # nests mpiexec
 def test_a_rank_killed_during_a_sharded_save_leaves_the_last_checkpoint(tmp_path):
     from mpaccel.testing import run_mpi
