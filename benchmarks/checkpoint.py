@@ -167,7 +167,7 @@ def instrument(acc: Any) -> Phases:
     phases.wrap(sink.ErrorKeepingFile, "finish", "close (shards)")
     phases.wrap(rawio, "write_arrays", "data writes + fsync (threads)")
     phases.wrap(rawio, "read_arrays", "data reads (threads)")
-    phases.wrap(storage, "_fsync_path", "fsync (directory)")
+    phases.wrap(storage, "fsync_path", "fsync (directory)")
     phases.wrap(storage, "write_index", "commit index (rank 0)")
     phases.wrap(h5py.File, "__init__", "h5py open")
     phases.wrap(h5py.File, "close", "h5py close (flush)")

@@ -20,6 +20,7 @@ from . import checkpoint, distributed, ops, preemption, tracking, training
 from .checkpoint import accelerate_layout, solo
 from .checkpoint.directories import agree_directory
 from .checkpoint.safetensors_out import save_safetensors
+from .checkpoint.safetensors_rows import save_rows
 from .checkpoint.training_state import model_state
 from .comm import NullComm, agreement
 from .config import (
@@ -908,7 +909,9 @@ class Accelerator:
         `safe_serialization=True` (Accelerate's default) as `model.safetensors`, or
         `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`, Hugging Face's
         layout; with `safe_serialization=False` as mpaccel's HDF5 shards + `model.index.json`
-        (never a pickle; read back with `mpaccel.checkpoint.load_model_state(dir)`)."""
+        (never a pickle; read back with `mpaccel.checkpoint.load_model_state(dir)`). Under FSDP
+        every rank must call it: each writes its own rows of the full tensors into the same
+        files, at their offsets (no rank gathers a tensor)."""
         comm = self._partial.comm
         who = solo.who_saves(comm, "save_model", save_directory)
         if who == solo.OTHERS:
@@ -916,7 +919,14 @@ class Accelerator:
         comm = comm if who == solo.COLLECTIVE else NullComm(default_timeout=comm.default_timeout)
         if safe_serialization:
             state = model_state(comm, self.unwrap_model(model))
-            save_safetensors(comm, state, os.fspath(save_directory), max_shard_size)
+            # a fully sharded model: every rank writes its rows of the same files, no gather
+            write = save_safetensors
+            if self.state.fsdp_plugin is not None:
+                from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+                if fsdp.fsdp_module(self.unwrap_model(model)) is not None:
+                    write = save_rows
+            write(comm, state, os.fspath(save_directory), max_shard_size)
         else:
             checkpoint.save_model(comm, self.unwrap_model(model), save_directory, max_shard_size)
 
@@ -975,11 +985,13 @@ class Accelerator:
         return [self._models[i] for i in kept]
 
     def _checkpoint_objects(
-        self, models: list[torch.nn.Module], gradients: bool
+        self, models: list[torch.nn.Module], gradients: bool, loading: bool = False
     ) -> checkpoint.TrainingState:
         """What save_state/load_state hand the checkpoint, under the names of its entries:
         `models` (what the pre-hooks left), then everything else prepared or registered;
-        with `gradients`, the models' gradients per rank."""
+        with `gradients`, the models' gradients per rank. Fully sharded models and their
+        optimizers are `sharded` entries (each rank stores its rows); their gradients are not
+        saved. `loading`: a fresh optimizer over shards gets its state created to load into."""
         unwrapped = [self.unwrap_model(model) for model in models]
         shared: dict[str, checkpoint.Stateful] = {
             f"scheduler_{i}": sched for i, sched in enumerate(self._schedulers)
@@ -988,13 +1000,25 @@ class Accelerator:
             shared["scaler"] = self.scaler
         shared.update({f"custom_{i}": obj for i, obj in enumerate(self._custom_objects)})
         shared["accelerator"] = _AccumulationStep(self)
+        named = {f"model_{i}": module for i, module in enumerate(unwrapped)}
+        optimizers = {f"optimizer_{i}": opt for i, opt in enumerate(self._optimizers)}
+        sharded: dict[str, Any] = {}
+        if self.state.fsdp_plugin is not None:
+            from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+            sharded = {name: m for name, m in named.items() if fsdp.fsdp_module(m) is not None}
+            if sharded:  # prepare() built every optimizer over the shards
+                sharded.update({name: fsdp.OptimizerState(opt, create=loading)
+                                for name, opt in optimizers.items()})
         return checkpoint.TrainingState(
-            models={f"model_{i}": module for i, module in enumerate(unwrapped)},
-            optimizers={f"optimizer_{i}": opt for i, opt in enumerate(self._optimizers)},
+            models={name: m for name, m in named.items() if name not in sharded},
+            optimizers={name: o for name, o in optimizers.items() if name not in sharded},
             shared=shared,
             per_rank={f"dataloader_{i}": loader for i, loader in enumerate(self._dataloaders)},
-            gradients={f"gradients_{i}": m for i, m in enumerate(unwrapped)} if gradients else {},
+            gradients={n.replace("model", "gradients"): m for n, m in named.items()
+                       if n not in sharded} if gradients else {},
             optional=frozenset({"scaler"}),
+            sharded=sharded,
         )
 
     def save_state(
@@ -1103,26 +1127,33 @@ class Accelerator:
                 listed,
                 "load_state (pre-hooks)",
             )
-        objects = self._checkpoint_objects(models, gradients=True)
-        if accelerate_dir:
-            assert input_dir is not None
-            self._async_saver.wait()
-            with agreement(comm, f"loading Accelerate checkpoint {input_dir!r}",
-                           kind=checkpoint.CheckpointCollectiveError):
-                accelerate_layout.load_accelerate_state(
-                    objects, input_dir, self.process_index, allow_pickle,
-                    load_model_func_kwargs,
-                )
-            return input_dir
-        return checkpoint.load_state(
-            comm,
-            objects,
-            input_dir,
-            project=self.project_configuration,
-            saver=self._async_saver,
-            model_options=load_model_func_kwargs,
-            node_share=(self.local_process_index, self._partial.local_num_processes),
-        )
+        objects = self._checkpoint_objects(models, gradients=True, loading=True)
+        try:
+            if accelerate_dir:
+                assert input_dir is not None
+                self._async_saver.wait()
+                with agreement(comm, f"loading Accelerate checkpoint {input_dir!r}",
+                               kind=checkpoint.CheckpointCollectiveError):
+                    accelerate_layout.load_accelerate_state(
+                        objects, input_dir, self.process_index, allow_pickle,
+                        load_model_func_kwargs,
+                    )
+                return input_dir
+            return checkpoint.load_state(
+                comm,
+                objects,
+                input_dir,
+                project=self.project_configuration,
+                saver=self._async_saver,
+                model_options=load_model_func_kwargs,
+                node_share=(self.local_process_index, self._partial.local_num_processes),
+            )
+        except BaseException:  # a fresh optimizer is fresh again
+            for obj in objects.sharded.values():
+                undo = getattr(obj, "undo", None)  # fsdp.OptimizerState's
+                if undo is not None:
+                    undo()
+            raise
 
     def wait_for_checkpoint(self) -> None:
         """Collective in effect: block until an async save is committed (re-raises its error)."""

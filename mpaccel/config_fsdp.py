@@ -122,7 +122,8 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     gradients and optimizer state in CPU memory (a GPU option). ignored_modules: modules (or a
     regex of their names) left whole and unmanaged. state_dict_type: SHARDED_STATE_DICT or
     FULL_STATE_DICT. activation_checkpointing: recompute each wrapped block's activations in
-    backward. cpu_ram_efficient_loading: rank 0 alone holds real weights, the other ranks'
+    backward (activation_checkpointing_offload=True, which also moves them to host memory, is
+    refused). cpu_ram_efficient_loading: rank 0 alone holds real weights, the other ranks'
     model may be on the meta device; prepare() sends each rank its shard.
     Fields set to None take Accelerate's FSDP_* variables. FSDP1's fields are accepted and
     have no effect (a warning says so); forward_prefetch is refused.
@@ -145,6 +146,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     sync_module_states: bool | None = None
     forward_prefetch: bool | None = None
     activation_checkpointing: bool | None = None
+    activation_checkpointing_offload: bool | None = None
     cpu_ram_efficient_loading: bool | None = None
     transformer_cls_names_to_wrap: list[str] | None = None
     min_num_params: int | None = None
@@ -178,6 +180,12 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
         self.activation_checkpointing = self._flag(
             "activation_checkpointing", "fsdp_activation_checkpointing"
         )
+        if self.activation_checkpointing_offload:
+            raise ConfigurationError(
+                "FullyShardedDataParallelPlugin(activation_checkpointing_offload=True): mpaccel "
+                "does not move checkpointed activations to host memory",
+                "drop it; activation_checkpointing=True alone recomputes them in backward.",
+            )
         self.cpu_ram_efficient_loading = self._flag(
             "cpu_ram_efficient_loading", "fsdp_cpu_ram_efficient_loading"
         )

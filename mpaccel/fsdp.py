@@ -436,6 +436,51 @@ def full_state_dict(model: torch.nn.Module, everywhere: bool) -> dict[str, Any]:
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
+class OptimizerState:
+    """An optimizer over fully_shard parameters as a checkpoint's Stateful (`sharded` entry).
+    With `create` (for a load), state_dict() first creates the state a fresh optimizer lacks
+    (one step at learning rate 0 over zero gradients, as torch.distributed.checkpoint does:
+    the parameters stay as they are), so that each rank reads its rows into it; undo() drops
+    that state again after a failed load."""
+
+    def __init__(self, optimizer: Any, create: bool = False) -> None:
+        self.optimizer = optimizer
+        self._raw = getattr(optimizer, "optimizer", optimizer)  # under mpaccel's wrapper
+        self._create = create
+        self._created = False
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._create and not self._raw.state:
+            self._init_state()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def undo(self) -> None:
+        if self._created:
+            self._raw.state.clear()
+            self._created = False
+
+    def _init_state(self) -> None:
+        params = [p for group in self._raw.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]  # mid-accumulation gradients are kept
+        rates = [group["lr"] for group in self._raw.param_groups]
+        try:
+            for p in params:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            for group in self._raw.param_groups:
+                group["lr"] = 0.0
+            self._raw.step()
+            self._created = True
+        finally:
+            for group, lr in zip(self._raw.param_groups, rates):
+                group["lr"] = lr
+            for p, grad in zip(params, grads):
+                p.grad = grad
+
+
 class StateHolder(torch.nn.Module):
     """A module whose state_dict() is a given one: hands a consolidated state to code that
     saves a module's state_dict (checkpoint.save_model). Holds no parameters or buffers."""

@@ -54,6 +54,16 @@ DIFFERS: dict[str, str] = {
         "(Accelerate's formula agrees on its tested cases but gives 8 rows on 4 processes 10, "
         "6 gives 9, and always grows dimension 0)"
     ),
+    **{
+        U + name: (
+            "writes and reads mpaccel's sharded HDF5 checkpoints (each rank its own rows, "
+            "loadable at any world size) under Accelerate's directory names, not DCP's files; "
+            "adapter_only=True and merge_fsdp_weights(safe_serialization=False) are refused "
+            "(docs/training.md)"
+        )
+        for name in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer",
+                     "load_fsdp_optimizer", "merge_fsdp_weights")
+    },
     U + "get_grad_scaler": (
         "a GradScaler for this process's device type: a working CPU scaler on CPUs "
         "(Accelerate's is a CUDA scaler that disables itself there)"
@@ -77,9 +87,11 @@ _NO_MEGATRON = (
     "Instead: DistributedDataParallel through prepare()"
 )
 _NO_FSDP = (
-    "FSDP helpers: mpaccel does not shard models yet (FullyShardedDataParallelPlugin is "
-    "refused). Instead: DistributedDataParallel; save_state/load_state reshard mpaccel's own "
-    "checkpoints"
+    "Accelerate's internals of its FSDP integration (how prepare() wraps and loads models): "
+    "mpaccel drives FSDP2 through Accelerator(fsdp_plugin=...) and prepare() with code of its "
+    "own (mpaccel/fsdp.py). Instead: prepare(); get_state_dict(model) for the full state dict; "
+    "save_state/load_state, save_model and save_fsdp_model/load_fsdp_model/merge_fsdp_weights "
+    "for checkpoints"
 )
 _NO_FP8 = (
     "FP8 training (TransformerEngine, MS-AMP, torchao) needs FP8-capable GPUs and their "
@@ -142,8 +154,7 @@ ABSENT: dict[str, str] = {
         (U,),
         "disable_fsdp_ram_efficient_loading enable_fsdp_ram_efficient_loading fsdp2_apply_ac "
         "fsdp2_canonicalize_names fsdp2_load_full_state_dict fsdp2_prepare_model "
-        "fsdp2_switch_optimizer_parameters get_fsdp2_grad_scaler load_fsdp_model "
-        "load_fsdp_optimizer save_fsdp_model save_fsdp_optimizer merge_fsdp_weights "
+        "fsdp2_switch_optimizer_parameters get_fsdp2_grad_scaler "
         "compile_regions_fsdp2 model_has_dtensor get_module_children_bottom_up",
         _NO_FSDP,
     ),

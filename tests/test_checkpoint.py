@@ -309,12 +309,12 @@ def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm, 
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)
     model = acc.prepare(model)
     target = mpi_tmp_path / "model"
-    written, original = [], storage._write_h5
+    written, original = [], storage.write_h5
     def recording(path, *args):
         written.append(os.path.basename(path))
         return original(path, *args)
 
-    monkeypatch.setattr(storage, "_write_h5", recording)
+    monkeypatch.setattr(storage, "write_h5", recording)
     acc.save_model(model, target, max_shard_size="20KB", safe_serialization=False)
     index = json.loads((target / "model.index.json").read_text())
     # 8 KiB bf16 weight + 128 B bias per layer: two layers fit in 20 KB, so three shards
@@ -758,13 +758,13 @@ def test_every_directory_a_save_creates_is_made_durable(tmp_path, monkeypatch):
     from mpaccel.checkpoint import storage
 
     synced = []
-    monkeypatch.setattr(storage, "_fsync_path", synced.append)
+    monkeypatch.setattr(storage, "fsync_path", synced.append)
     project = tmp_path / "project"
-    storage._make_directory(str(project / "checkpoints" / "checkpoint_0"))
+    storage.make_directory(str(project / "checkpoints" / "checkpoint_0"))
     assert synced == [str(tmp_path), str(project), str(project / "checkpoints")]
     assert (project / "checkpoints" / "checkpoint_0").is_dir()
     synced.clear()
-    storage._make_directory(str(tmp_path / "project"))  # exists: nothing created, nothing synced
+    storage.make_directory(str(tmp_path / "project"))  # exists: nothing created, nothing synced
     assert synced == []
 
 

@@ -46,7 +46,7 @@ BIG = {**ARRAYS, "model/big": np.arange(300_000, dtype=np.float32)}  # several r
 def _write_checkpoint_file(path):
     """The checkpoint writer: HDF5's metadata through the sink, the data through rawio.
     Returns the index entries and the file's size."""
-    return storage._write_h5(str(path), BIG, {k: str(a.dtype) for k, a in BIG.items()})
+    return storage.write_h5(str(path), BIG, {k: str(a.dtype) for k, a in BIG.items()})
 
 
 # (writer, the arrays it writes); rawio's pieces made small so that BIG takes several

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ from ..comm import Comm, agreement
 from ..config import ProjectConfiguration
 from ..errors import MpaccelRuntimeWarning
 from ..logging import get_logger
-from . import rawio
+from . import rawio, sharded_state
 from .async_save import AsyncSaver, snapshot, threads_ok
 from .format import CheckpointCollectiveError, CheckpointError, parse_size
 from .reader import CheckpointReader
@@ -62,11 +63,20 @@ def save_model(
 ) -> dict:
     """Collective. The (unwrapped) module's state_dict as HDF5 shards of at most
     `max_shard_size`, written by different ranks in parallel (shard i by rank i mod N), plus
-    `model.index.json`."""
+    `model.index.json`. A fully sharded module's full tensors are written the same way, each
+    rank writing its own rows of them in place (no rank gathers a tensor: export_full)."""
     try:
         limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise CheckpointError(str(exc), "for example max_shard_size='10GB' or '500MB'.") from exc
+    # no DTensor exists unless torch.distributed.tensor was imported (FSDP), and importing
+    # it here would change a gloo teardown race (see mpaccel/fsdp.py's docstring)
+    tensors = sys.modules.get("torch.distributed.tensor")
+    state = module.state_dict()
+    if tensors is not None and any(isinstance(v, tensors.DTensor) for v in state.values()):
+        from .sharded_export import export_full
+
+        return export_full(comm, os.fspath(save_directory), state, limit)
     state = model_state(comm, module)
     index = write_checkpoint(
         comm,
@@ -207,6 +217,8 @@ def save_state(
         shared, per_rank = collect(comm, objects)
         if async_save:  # copies in host memory: training may change the originals meanwhile
             shared, per_rank = snapshot(shared), snapshot(per_rank)
+    # each rank's own rows of the sharded objects (a copy of the local rows only, if async)
+    rows = sharded_state.collect(comm, objects, _saving(directory), copy=async_save)
 
     # what the writer needs of the configuration, as it is now: in the background it would
     # read the next save's number (and whatever the caller changes meanwhile)
@@ -223,7 +235,10 @@ def save_state(
         # (total_limit=1: the previous one only goes once the new one is committed).
         if rotation is not None:
             _rotate(comm, rotation, True, f"saving checkpoint {directory!r}")
-        write_checkpoint(comm, directory, STATE_STEM, shared, per_rank, metadata=metadata)
+        # the sharded part first: the state index, committed last, names it
+        extra = sharded_state.write(comm, directory, rows)
+        write_checkpoint(comm, directory, STATE_STEM, shared, per_rank,
+                         metadata={**metadata, **extra})
         if rotation is not None:
             _rotate(comm, rotation, False, f"saving checkpoint {directory!r}")
 
@@ -305,7 +320,19 @@ def load_state(
         opened.append(rawio.within(limit, "opening a checkpoint",
                                    lambda: CheckpointReader(named or "", STATE_STEM, node_share)))
     reader = opened[0]
+    # the objects that go through rows (sharded ones, or held in the sharded part) are read
+    # first, changing nothing; handed over once everything else is loaded
+    rows: sharded_state.ShardedLoad | None = None
+    with agreement(comm, what, kind=CheckpointCollectiveError, cleanup=close):
+        rows = sharded_state.ShardedLoad(objects, reader)
+    if rows.targets:
+        with agreement(comm, what, kind=CheckpointCollectiveError, cleanup=close,
+                       passing=(CheckpointCollectiveError,)):
+            rows.read(comm, what, limit)
+        objects = rows.rest
     loaded = _load(comm, objects, reader, what, limit, strict, node_share, model_options)
+    if rows.targets:
+        rows.apply(comm, what, model_options)
     if number is not None:
         config.iteration = number + 1
     for note in loaded.notes if comm.rank == 0 else []:

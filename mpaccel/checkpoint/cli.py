@@ -16,7 +16,9 @@ from .sharded_read import read_full, verify_sliced
 STEMS = ("state", "model", "sharded")
 
 
-def _open(directory: str, stem: str | None) -> CheckpointReader:
+def _stems(directory: str, stem: str | None) -> list[str]:
+    """The stems to read: `stem`, or every committed index there (a training checkpoint of a
+    fully sharded model has two: state and sharded)."""
     # lexists: an index that is a link or a FIFO is there, and CheckpointReader says what is
     # wrong with it
     stems = [stem] if stem else [s for s in STEMS
@@ -27,7 +29,7 @@ def _open(directory: str, stem: str | None) -> CheckpointReader:
             "model.index.json or sharded.index.json)",
             "an interrupted save leaves no index; point at a complete checkpoint.",
         )
-    return CheckpointReader(directory, stems[0])
+    return stems
 
 
 def _size(nbytes: int) -> str:
@@ -40,7 +42,13 @@ def _size(nbytes: int) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    with _open(args.directory, args.stem) as reader:
+    for stem in _stems(args.directory, args.stem):
+        _list(args, stem)
+    return 0
+
+
+def _list(args: argparse.Namespace, stem: str) -> None:
+    with CheckpointReader(args.directory, stem) as reader:
         index = reader.index
         print(f"{args.directory}: {reader.stem} checkpoint, format "
               f"{index.get('format_version', 0)}, written by {index['world_size']} process(es) "
@@ -78,7 +86,6 @@ def run_ls(args: argparse.Namespace) -> int:
             summary = (f"{len(sliced)} sharded tensors, {_size(total)} in {shards} file(s), "
                        "rows along dimension 0")
         print(summary)
-    return 0
 
 
 def _tied(index: dict) -> list[str]:
@@ -97,12 +104,14 @@ def _tied(index: dict) -> list[str]:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    with _open(args.directory, args.stem) as reader:
-        problems = reader.verify()
-        count = len(reader.index["tensors"]) + sum(len(p["tensors"])
-                                                   for p in reader.index["per_rank"])
-        sliced, more = verify_sliced(reader)
-        count, problems = count + sliced, problems + more
+    count, problems = 0, []
+    for stem in _stems(args.directory, args.stem):
+        with CheckpointReader(args.directory, stem) as reader:
+            problems += reader.verify()
+            count += len(reader.index["tensors"]) + sum(len(p["tensors"])
+                                                        for p in reader.index["per_rank"])
+            sliced, more = verify_sliced(reader)
+            count, problems = count + sliced, problems + more
     for problem in dict.fromkeys(problems):  # a file refused as a whole: said once
         print(problem, file=sys.stderr)
     print(f"{args.directory}: {count - len(problems)} of {count} tensors verified"
@@ -118,8 +127,13 @@ def run_export(args: argparse.Namespace) -> int:
             "export to safetensors needs the safetensors package",
             "pip install 'mpaccel[safetensors]'",
         ) from None
-    with _open(args.directory, args.stem) as reader:
-        component = args.component or ("model_0" if reader.stem == "state" else "model")
+    stems = _stems(args.directory, args.stem)
+    component = args.component or ("model_0" if stems[0] == "state" else "model")
+    for stem in stems:  # the index that holds it (a training checkpoint's model may be sharded)
+        with CheckpointReader(args.directory, stem) as reader:
+            if component in reader.index["components"]:
+                break
+    with CheckpointReader(args.directory, stem) as reader:
         if "sliced" in reader.index:  # a sharded checkpoint: its slices joined
             tree = read_full(args.directory, reader.stem, component)
         else:

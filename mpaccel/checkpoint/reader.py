@@ -84,6 +84,16 @@ class CheckpointReader:
     def world_size(self) -> int:
         return int(self.index["world_size"])
 
+    def opened(self, name: str) -> tuple[int, int]:
+        """(descriptor, real size) of the checkpoint's file `name`, opened and checked on first
+        use, closed with the reader (for readers of their own: sharded_read)."""
+        fd = self._fd(name)
+        return fd, self._sizes[name]
+
+    def path(self, name: str) -> str:
+        """The path of the checkpoint's file `name` (a plain name, checked)."""
+        return self._path(name)
+
     def _path(self, name: str) -> str:
         if not plain_name(name):  # (the index's schema refuses such names already)
             raise CheckpointError(

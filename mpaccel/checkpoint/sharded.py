@@ -22,7 +22,6 @@ import math
 import os
 import uuid
 import warnings
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from .._version import __version__
-from ..comm import Comm
+from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .format import (
@@ -47,13 +46,11 @@ from .format import (
     to_numpy,
 )
 from .storage import (
-    _check_same_on_every_rank,
-    _fsync_path,
-    _make_directory,
-    _remove,
-    _write_h5,
-    remove_stale,
-    write_index,
+    check_same_on_every_rank,
+    commit_index,
+    create_directory,
+    write_h5,
+    write_step,
 )
 
 SHARDED_STEM = "sharded"
@@ -193,7 +190,7 @@ def rows_per_block(array: np.ndarray) -> int:
 
 def _write_rank_file(path: str, local: LocalState) -> tuple[dict[str, dict], int]:
     """This rank's file: its rows of every tensor; returns {key: slice entry} and its size."""
-    entries, size = _write_h5(path, local.arrays, local.dtypes)
+    entries, size = write_h5(path, local.arrays, local.dtypes)
     slices = {}
     for key, array in local.arrays.items():
         entry = entries[key]
@@ -269,54 +266,13 @@ def build_index(
     }
 
 
-def commit(comm: Comm, directory: str, stem: str, what: str, limit: float,
-           index: dict[str, Any] | None, error: BaseException | None,
-           written: list[str]) -> None:
-    """Collective. Rank 0 writes `index` (built there; `error` if it could not be) atomically and
-    removes files of earlier saves; every rank removes its files of a save left uncommitted."""
-    committed: bool | None = False
-
-    def put() -> None:
-        nonlocal committed
-        assert index is not None
-        write_index(directory, stem, index)
-        committed = True  # from here on, a failure must not take its files away
-        _fsync_path(directory)
-        remove_stale(directory, stem, index)
-
-    if comm.rank == 0 and error is None:
-        try:
-            rawio.within(limit, what, put)
-        except rawio.StalledIOError as exc:
-            error, committed = exc, committed or None
-        except Exception as exc:
-            error = CheckpointError(f"cannot commit the index of {directory!r}: {exc}")
-            error.__cause__ = exc
-    committed = comm.bcast(committed, what=what)
-    try:
-        comm.agree(error, what + " (committing the index)", kind=CheckpointCollectiveError)
-    except Exception:
-        if committed is False:
-            _remove(written)
-        raise
-
-
 def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
                 metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Collective: steps 2-4 of save_sharded (see the module's docstring)."""
     what = f"saving sharded checkpoint {directory!r}"
     save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
     limit = rawio.stall_limit(comm.default_timeout)
-    error: BaseException | None = None
-    if comm.rank == 0:
-        try:
-            rawio.within(limit, what, lambda: _make_directory(directory))
-        except rawio.StalledIOError as exc:
-            error = exc
-        except Exception as exc:
-            error = CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
-    comm.agree(error, what + " (creating the directory)", kind=CheckpointCollectiveError)
-
+    create_directory(comm, directory, what, limit)
     name = f"{stem}-{save_id}-rank{comm.rank:05d}.h5"
     path = os.path.join(directory, name)
     written: list[str] = []
@@ -330,45 +286,17 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
         written.append(path)
         slices, sizes[name] = _write_rank_file(path, local)
 
-    error, stalled = None, False
-    try:
-        rawio.within(limit, what, write_mine)
-    except rawio.StalledIOError as exc:
-        error, stalled = exc, True
-    except Exception as exc:
-        error = CheckpointError(f"rank {comm.rank} could not write {path!r}: {exc}")
-    try:
-        comm.agree(error, what + " (writing shards)", kind=CheckpointCollectiveError)
-    except Exception:
-        if not stalled:
-            _remove(written)
-        raise
-
+    write_step(comm, what, "writing shards", limit, write_mine, written)
     gathered = comm.allgather((slices, sizes), what=what)
-    index, error = None, None
+    index: dict[str, Any] | None = None
+    error: BaseException | None = None
     if comm.rank == 0:
         try:
             index = build_index(comm.size, stem, save_id, local, gathered, metadata or {})
-        except Exception as exc:
+        except Exception as exc:  # reported by commit_index, on every rank
             error = exc
-    commit(comm, directory, stem, what, limit, index, error, written)
+    commit_index(comm, directory, stem, what, limit, index, error, written)
     return comm.bcast(index, what=what)
-
-
-# each AsyncSaver's communicator for sharded saves, made on its first one (as comm_for does)
-_BACKGROUND: weakref.WeakKeyDictionary[Any, Comm] = weakref.WeakKeyDictionary()
-
-
-def _background_comm(comm: Comm) -> Comm:
-    """A communicator of its own for a save in the background (as AsyncSaver.comm_for)."""
-    if comm.size == 1:
-        return comm
-    from ..comm import MPIComm
-
-    background = MPIComm(comm.mpi_comm, comm.default_timeout, interruptible=False)  # type: ignore[attr-defined]
-    background.spin_seconds = background.yield_seconds = 0.0
-    background.hosts = getattr(comm, "hosts", ())
-    return background
 
 
 def save_sharded(
@@ -389,16 +317,12 @@ def save_sharded(
     """
     directory = os.fspath(directory)
     what = f"saving sharded checkpoint {directory!r}"
-    error: BaseException | None = None
     local = LocalState({}, {}, {}, {})
-    try:
+    with agreement(comm, what + " (collecting the state)", kind=CheckpointCollectiveError):
         local = collect_local(state, comm.rank)
         if saver is not None:
             local = local.snapshot()
-    except Exception as exc:
-        error = exc
-    comm.agree(error, what + " (collecting the state)", kind=CheckpointCollectiveError)
-    _check_same_on_every_rank(comm, what, local.documents, local.layout())
+    check_same_on_every_rank(comm, what, local.documents, local.layout())
     if saver is None:
         return write_local(comm, directory, stem, local, metadata)
     from .async_save import threads_ok
@@ -408,8 +332,6 @@ def save_sharded(
         warnings.warn("async_save needs MPI_THREAD_MULTIPLE; saving synchronously",
                       MpaccelRuntimeWarning, stacklevel=2)
         return write_local(comm, directory, stem, local, metadata)
-    background = _BACKGROUND.get(saver)
-    if background is None:  # collective, the first time
-        background = _BACKGROUND[saver] = _background_comm(comm)
+    background = saver.comm_for(comm)  # collective, the first time
     saver.start(lambda: write_local(background, directory, stem, local, metadata))
     return None

@@ -28,24 +28,24 @@ import numpy as np
 import xxhash
 
 from .._version import __version__
-from ..comm import Comm
+from ..comm import Comm, agreement
 from . import rawio
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     CheckpointCollectiveError,
-    CheckpointError,
     checksum,
     parse_size,
 )
-from .sharded import LocalState, collect_local, commit, row_count
+from .sharded import LocalState, collect_local, row_count
 from .sink import ErrorKeepingFile
 from .storage import (
-    _check_same_on_every_rank,
-    _contiguous_early,
-    _make_directory,
-    _remove,
+    check_same_on_every_rank,
+    commit_index,
+    contiguous_early,
+    create_directory,
     plan_shards,
+    write_step,
 )
 
 MODEL_STEM = "model"
@@ -66,7 +66,7 @@ def _lay_out(path: str, keys: list[str], local: LocalState) -> dict[str, int | N
             for key in keys:
                 shape = local.rows[key].shape
                 ds = f.create_dataset(key, shape=shape, dtype=local.stored[key],
-                                      dcpl=_contiguous_early())
+                                      dcpl=contiguous_early())
                 ds.attrs["torch_dtype"] = local.dtypes[key]
                 offset = ds.id.get_offset()
                 if offset is None and _nbytes(local, key):
@@ -135,23 +135,6 @@ def _finish(path: str, final: str, keys: list[str], offsets: Mapping[str, int | 
     return entries, size
 
 
-def _step(comm: Comm, what: str, step: str, limit: float, work: Any,
-          written: list[str]) -> None:
-    """Run this rank's part of a step under the I/O deadline; every rank agrees on it, and
-    removes its files of the save if it failed anywhere."""
-    error: BaseException | None = None
-    try:
-        rawio.within(limit, what, work)
-    except Exception as exc:
-        error = exc if isinstance(exc, CheckpointError) else CheckpointError(
-            f"rank {comm.rank}: {step}: {exc}")
-    try:
-        comm.agree(error, f"{what} ({step})", kind=CheckpointCollectiveError)
-    except Exception:
-        _remove(written)
-        raise
-
-
 def export_full(
     comm: Comm,
     directory: str | os.PathLike[str],
@@ -164,23 +147,18 @@ def export_full(
     Returns the committed index."""
     directory = os.fspath(directory)
     what = f"exporting full tensors to {directory!r}"
-    error: BaseException | None = None
-    local = LocalState({}, {}, {}, {})
-    try:
+    local, max_bytes = LocalState({}, {}, {}, {}), 0
+    with agreement(comm, what + " (collecting the state)", kind=CheckpointCollectiveError):
         max_bytes = parse_size(max_shard_size)
         local = collect_local({"model": state_dict}, comm.rank)
-    except Exception as exc:
-        error = exc
-    comm.agree(error, what + " (collecting the state)", kind=CheckpointCollectiveError)
-    _check_same_on_every_rank(comm, what, local.documents, local.layout())
+    check_same_on_every_rank(comm, what, local.documents, local.layout())
     keys = list(local.rows)
     shards = plan_shards([(k, _nbytes(local, k)) for k in keys], None, max_bytes)
     shards = [shard for shard in shards if shard]
     save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
     limit = rawio.stall_limit(comm.default_timeout)
     written: list[str] = []
-    _step(comm, what, "creating the directory", limit,
-          lambda: _make_directory(directory) if comm.rank == 0 else None, written)
+    create_directory(comm, directory, what, limit)
 
     names = [f"{MODEL_STEM}-{save_id}-{i + 1:05d}-of-{len(shards):05d}.h5"
              for i in range(len(shards))]
@@ -193,13 +171,14 @@ def export_full(
             written.append(paths[names[i]])
             offsets.update(_lay_out(paths[names[i]], shards[i], local))
 
-    _step(comm, what, "laying out the files", limit, lay_out, written)
+    write_step(comm, what, "laying out the files", limit, lay_out, written)
     placed: dict[str, tuple[str, int | None]] = {}
     for part in comm.allgather({k: names[i] for i in mine for k in shards[i]}, what=what):
         placed.update({k: (name, None) for k, name in part.items()})
     for part in comm.allgather(offsets, what=what):
         placed.update({k: (placed[k][0], offset) for k, offset in part.items()})
-    _step(comm, what, "writing rows", limit, lambda: _write_rows(paths, placed, local), written)
+    write_step(comm, what, "writing rows", limit, lambda: _write_rows(paths, placed, local),
+               written)
 
     entries: dict[str, dict] = {}
     sizes: dict[str, int] = {}
@@ -211,7 +190,7 @@ def export_full(
             part, sizes[names[i]] = _finish(paths[names[i]], final, shards[i], offsets, local)
             entries.update(part)
 
-    _step(comm, what, "checksumming the files", limit, finish, written)
+    write_step(comm, what, "checksumming the files", limit, finish, written)
     gathered = comm.allgather((entries, sizes), what=what)
     index: dict[str, Any] | None = None
     if comm.rank == 0:
@@ -231,7 +210,7 @@ def export_full(
             "per_rank": [],
             "file_sizes": {n: s for _, part in gathered for n, s in part.items()},
         }
-    commit(comm, directory, MODEL_STEM, what, limit, index, None, written)
+    commit_index(comm, directory, MODEL_STEM, what, limit, index, None, written)
     result = comm.bcast(index, what=what)
     assert result is not None
     return result

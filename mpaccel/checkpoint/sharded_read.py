@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..comm import Comm
+from ..comm import Comm, agreement
 from . import rawio
 from .format import (
     CheckpointCollectiveError,
@@ -145,11 +145,11 @@ def _rows_view(array: np.ndarray, start: int, stop: int) -> np.ndarray:
 def _file(reader: CheckpointReader, name: str) -> int:
     """The checked descriptor of `name`, which must have the size the index recorded (its
     offsets are then within it: index_check)."""
-    fd = reader._fd(name)
+    fd, real = reader.opened(name)
     size = reader.index.get("file_sizes", {}).get(name)
-    if reader._sizes[name] != size:
+    if real != size:
         raise CheckpointError(
-            f"{reader._path(name)!r} holds {reader._sizes[name]} bytes, the index says {size}",
+            f"{reader.path(name)!r} holds {real} bytes, the index says {size}",
             "the file was changed after the save; restore it, or load an earlier checkpoint.",
         )
     return fd
@@ -169,7 +169,7 @@ def _slice_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
         last = -(-(high - piece["start"]) // per_block)
         begin = piece["start"] + first * per_block
         end = min(piece["stop"], piece["start"] + last * per_block)
-        path = reader._path(piece["file"])
+        path = reader.path(piece["file"])
         fd = _file(reader, piece["file"])
         offset = piece["offset"] + (begin - piece["start"]) * row_bytes
         exact = (begin, end) == (low, high)
@@ -220,7 +220,7 @@ def _whole_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
         item.out[...] = _rows_view(array, item.start, item.stop)
         return []
     fd = _file(reader, entry["file"])
-    path = reader._path(entry["file"])
+    path = reader.path(entry["file"])
     row_bytes = _row_bytes(entry, item.out.dtype)
 
     def verify(found: Any) -> None:
@@ -242,8 +242,7 @@ def _whole_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
 
 
 def _size_recorded(reader: CheckpointReader, name: str) -> bool:
-    reader._fd(name)  # opened and checked: its size is known
-    return reader._sizes[name] == reader.index.get("file_sizes", {}).get(name)
+    return reader.opened(name)[1] == reader.index.get("file_sizes", {}).get(name)
 
 
 def read_plan(reader: CheckpointReader, planned: Plan) -> None:
@@ -302,25 +301,16 @@ def load_sharded(
     directory = os.fspath(directory)
     what = f"loading sharded checkpoint {directory!r}"
     limit = rawio.stall_limit(comm.default_timeout)
-    error: BaseException | None = None
-    reader: CheckpointReader | None = None
+    readers: list[CheckpointReader] = []
     planned = Plan()
     try:
-        reader = rawio.within(limit, what, lambda: CheckpointReader(directory, stem))
-        planned = plan(reader, target)
-    except Exception as exc:
-        error = exc
-    try:
-        comm.agree(error, what + " (matching the state)", kind=CheckpointCollectiveError)
-        error = None
-        try:
-            assert reader is not None
-            rawio.within(limit, what, functools.partial(read_plan, reader, planned))
-        except Exception as exc:
-            error = exc
-        comm.agree(error, what + " (reading)", kind=CheckpointCollectiveError)
+        with agreement(comm, what + " (matching the state)", kind=CheckpointCollectiveError):
+            readers.append(rawio.within(limit, what, lambda: CheckpointReader(directory, stem)))
+            planned = plan(readers[0], target)
+        with agreement(comm, what + " (reading)", kind=CheckpointCollectiveError):
+            rawio.within(limit, what, functools.partial(read_plan, readers[0], planned))
     finally:
-        if reader is not None:
+        for reader in readers:
             reader.close()
     return apply(planned)
 

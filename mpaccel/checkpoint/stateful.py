@@ -35,6 +35,11 @@ class TrainingState:
     saving mid-accumulation; on load, the models to give them back to, at the same world size).
     `optional`: names of `shared` a checkpoint may lack (left alone on load). The checkpoint
     also holds each rank's RNG states (entry "rng") itself.
+    `sharded`: Statefuls whose state_dict() holds DTensors (fully_shard models, optimizers over
+    their parameters; an optimizer's state must exist before a load: create it first). Each
+    rank stores only its own rows, in the sharded part of the checkpoint, and on load reads the
+    rows it owns, from a sharded or an ordinary checkpoint. Models and optimizers saved in the
+    sharded part load into `models`/`optimizers` too (every rank reads whole tensors).
     """
 
     models: Mapping[str, torch.nn.Module] = dataclasses.field(default_factory=_empty)
@@ -43,9 +48,10 @@ class TrainingState:
     per_rank: Mapping[str, Stateful] = dataclasses.field(default_factory=_empty)
     gradients: Mapping[str, torch.nn.Module] = dataclasses.field(default_factory=_empty)
     optional: frozenset[str] = frozenset()
+    sharded: Mapping[str, Stateful] = dataclasses.field(default_factory=_empty)
 
     def __post_init__(self) -> None:
-        shared = [*self.models, *self.optimizers, *self.shared]
+        shared = [*self.models, *self.optimizers, *self.shared, *self.sharded]
         per_rank = ["rng", *self.per_rank, *self.gradients]
         twice = sorted({n for names in (shared, per_rank) for n in names if names.count(n) > 1})
         if twice:

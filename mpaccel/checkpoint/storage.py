@@ -24,14 +24,14 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import h5py
 import numpy as np
 
 from .._version import __version__
-from ..comm import Comm
+from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .format import (
@@ -74,14 +74,14 @@ def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes:
     return shards
 
 
-def _remove(paths: list[str]) -> None:
+def remove_files(paths: list[str]) -> None:
     for path in paths:
         for candidate in (path, f"{path}.partial"):
             if os.path.exists(candidate):
                 os.remove(candidate)
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -89,7 +89,7 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _make_directory(directory: str) -> None:
+def make_directory(directory: str) -> None:
     """makedirs, then fsync the parent of every directory it created (each gained an entry
     that must survive a power loss along with the checkpoint)."""
     created = []
@@ -100,7 +100,7 @@ def _make_directory(directory: str) -> None:
             path = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         for path in reversed(created):
-            _fsync_path(os.path.dirname(path))
+            fsync_path(os.path.dirname(path))
 
 
 def _layout(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict:
@@ -134,7 +134,7 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
     return None if a == b else (path or "/")
 
 
-def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dict) -> None:
+def check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dict) -> None:
     """Collective. The shared state must have one layout on every rank: else every rank raises
     the same CollectiveError naming the ranks whose tensors differ from rank 0's, and the keys.
     Non-tensor values that differ are saved as rank 0 has them, with a warning naming the first
@@ -176,7 +176,7 @@ def _check_same_on_every_rank(comm: Comm, what: str, documents: Any, layout: dic
                     break
 
 
-def _contiguous_early() -> h5py.h5p.PropDCID:
+def contiguous_early() -> h5py.h5p.PropDCID:
     """Dataset creation properties: one contiguous extent, allocated when the dataset is created
     (so its file offset is known before any data is written), never filled."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -186,7 +186,7 @@ def _contiguous_early() -> h5py.h5p.PropDCID:
     return dcpl
 
 
-def _write_h5(
+def write_h5(
     path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]
 ) -> tuple[dict, int]:
     """Write datasets to `path` atomically (temp name, fsync, rename). Returns their index
@@ -207,7 +207,7 @@ def _write_h5(
             for key, array in arrays.items():
                 # Contiguous, uncompressed: chunking or compression would cost speed.
                 ds = f.create_dataset(
-                    key, shape=array.shape, dtype=array.dtype, dcpl=_contiguous_early()
+                    key, shape=array.shape, dtype=array.dtype, dcpl=contiguous_early()
                 )
                 ds.attrs["torch_dtype"] = dtypes[key]
                 offset = ds.id.get_offset()
@@ -268,26 +268,20 @@ def write_checkpoint(
     """Collective. Write `shared` (identical on every rank) and `per_rank` (this rank's own) state
     trees under `directory`; returns the committed index."""
     what = f"saving checkpoint {directory!r}"
-    error: BaseException | None = None
-    try:
+    documents: dict = {}
+    arrays: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    rank_docs: dict = {}
+    rank_arrays: dict[str, np.ndarray] = {}
+    rank_dtypes: dict[str, str] = {}
+    with agreement(comm, what + " (collecting the state)", kind=CheckpointCollectiveError):
         documents, arrays, dtypes = _split(shared)
         rank_docs, rank_arrays, rank_dtypes = _split(per_rank or {})
-    except Exception as exc:
-        error = exc
-    comm.agree(error, what + " (collecting the state)", kind=CheckpointCollectiveError)
-    _check_same_on_every_rank(comm, what, documents, _layout(arrays, dtypes))
+    check_same_on_every_rank(comm, what, documents, _layout(arrays, dtypes))
 
     save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
     limit = rawio.stall_limit(comm.default_timeout)
-    error = None
-    if comm.rank == 0:
-        try:
-            rawio.within(limit, what, lambda: _make_directory(directory))
-        except rawio.StalledIOError as exc:
-            error = exc
-        except Exception as exc:
-            error = CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
-    comm.agree(error, what + " (creating the directory)", kind=CheckpointCollectiveError)
+    create_directory(comm, directory, what, limit)
 
     shards = plan_shards([(k, a.nbytes) for k, a in arrays.items()], comm.size, max_shard_bytes)
     total = len(shards)
@@ -303,34 +297,18 @@ def write_checkpoint(
             name = f"{stem}-{save_id}-{shard_no + 1:05d}-of-{total:05d}.h5"
             path = os.path.join(directory, name)
             written.append(path)
-            shard_entries, sizes[name] = _write_h5(
+            shard_entries, sizes[name] = write_h5(
                 path, {k: arrays[k] for k in shards[shard_no]}, dtypes
             )
             entries.update(shard_entries)
         if per_rank is not None:
             rank_file = f"{stem}-{save_id}-rank{comm.rank:05d}.h5"
             written.append(os.path.join(directory, rank_file))
-            rank_entries, sizes[rank_file] = _write_h5(
+            rank_entries, sizes[rank_file] = write_h5(
                 os.path.join(directory, rank_file), rank_arrays, rank_dtypes
             )
 
-    error = None
-    stalled = False
-    try:
-        rawio.within(limit, what, write_mine)
-    except rawio.StalledIOError as exc:
-        error, stalled = exc, True
-    except Exception as exc:
-        where = written[-1] if written else directory
-        # No __cause__: its traceback would keep h5py objects of the failed file alive until
-        # interpreter shutdown, where collecting them after HDF5 is torn down crashes.
-        error = CheckpointError(f"rank {comm.rank} could not write {where!r}: {exc}")
-    try:
-        comm.agree(error, what + " (writing shards)", kind=CheckpointCollectiveError)
-    except Exception:
-        if not stalled:  # (the thread left writing owns its files)
-            _remove(written)  # every rank drops its files of a save that will not be committed
-        raise
+    write_step(comm, what, "writing shards", limit, write_mine, written)
 
     gathered = comm.allgather(
         (entries, (rank_file, rank_docs, rank_entries) if per_rank is not None else None, sizes),
@@ -355,21 +333,71 @@ def write_checkpoint(
         ],
         "file_sizes": {name: size for _, _, part in gathered for name, size in part.items()},
     }
-    error = None
-    # whether the index is in place: True, False, or None when rank 0's file system stopped
-    # answering while it wrote it (the rename may still happen): then every file stays
+    commit_index(comm, directory, stem, what, limit, index, None, written)
+    return index
+
+
+def write_step(comm: Comm, what: str, step: str, limit: float, work: Callable[[], object],
+               written: list[str]) -> None:
+    """Collective: run this rank's part of a step of a save (`work`, which lists the files it
+    makes in `written`) under the I/O deadline `limit`; every rank agrees on it. If it failed
+    anywhere, every rank removes its files of the save (not those a thread given up on, still
+    writing, owns: rawio.StalledIOError)."""
+    stalled = False
+
+    def wrap(exc: Exception) -> BaseException:
+        nonlocal stalled
+        if isinstance(exc, rawio.StalledIOError):
+            stalled = True
+            return exc
+        if isinstance(exc, CheckpointError):
+            return exc
+        # No __cause__: its traceback would keep h5py objects of the failed file alive until
+        # interpreter shutdown, where collecting them after HDF5 is torn down crashes.
+        if written:
+            return CheckpointError(f"rank {comm.rank} could not write {written[-1]!r}: {exc}")
+        return CheckpointError(f"rank {comm.rank}: {step}: {exc}")
+
+    with agreement(comm, f"{what} ({step})", kind=CheckpointCollectiveError, wrap=wrap,
+                   cleanup=lambda: None if stalled else remove_files(written)):
+        rawio.within(limit, what, work)
+
+
+def create_directory(comm: Comm, directory: str, what: str, limit: float) -> None:
+    """Collective: rank 0 creates `directory` (within `limit` seconds); every rank raises if
+    that failed."""
+    def wrap(exc: Exception) -> BaseException:
+        if isinstance(exc, rawio.StalledIOError):
+            return exc
+        return CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
+
+    with agreement(comm, what + " (creating the directory)", kind=CheckpointCollectiveError,
+                   wrap=wrap):
+        if comm.rank == 0:
+            rawio.within(limit, what, lambda: make_directory(directory))
+
+
+def commit_index(comm: Comm, directory: str, stem: str, what: str, limit: float,
+                 index: dict[str, Any] | None, error: BaseException | None,
+                 written: list[str]) -> None:
+    """Collective, the last step of every save. Rank 0 writes `index` (built there; `error` if
+    it could not be) atomically, syncs the directory and removes files of earlier saves; if
+    that fails on rank 0, every rank raises, and every rank removes its `written` files of the
+    save, unless the index may be in place (a commit given up on: the rename may still
+    happen, so every file stays)."""
     committed: bool | None = False
 
-    def commit() -> None:
+    def put() -> None:
         nonlocal committed
+        assert index is not None
         write_index(directory, stem, index)
         committed = True  # from here on, a failure must not take its files away
-        _fsync_path(directory)
+        fsync_path(directory)
         remove_stale(directory, stem, index)
 
-    if comm.rank == 0:
+    if comm.rank == 0 and error is None:
         try:
-            rawio.within(limit, what, commit)
+            rawio.within(limit, what, put)
         except rawio.StalledIOError as exc:
             error, committed = exc, committed or None
         except Exception as exc:
@@ -380,9 +408,8 @@ def write_checkpoint(
         comm.agree(error, what + " (committing the index)", kind=CheckpointCollectiveError)
     except Exception:
         if committed is False:  # a save that will never be loaded: its files go
-            _remove(written)
+            remove_files(written)
         raise
-    return index
 
 
 def write_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
@@ -400,7 +427,7 @@ def write_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
         watch.check()  # a commit given up on (see rawio.within) must not happen behind it
         os.replace(temp, final)
     except BaseException:
-        _remove([temp])
+        remove_files([temp])
         raise
 
 
@@ -413,7 +440,7 @@ def delete_checkpoint(directory: str, stem: str) -> None:
     except FileNotFoundError:
         pass
     else:
-        _fsync_path(directory)
+        fsync_path(directory)
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -80,7 +80,7 @@ def collect(comm: Comm, objects: TrainingState) -> tuple[dict[str, Any], dict[st
     return shared, per_rank
 
 
-def _load_into(
+def load_into(
     name: str, target: Any, state: Any, directory: str, options: dict[str, Any] | None = None
 ) -> None:
     """target.load_state_dict(state); `options` (strict=, assign=) for models."""
@@ -300,7 +300,7 @@ def apply_states(
     for name, key, obj in handed:
         if key in trees:
             rollback.add(name, functools.partial(obj.load_state_dict, loaded.before[key]))
-            _load_into(name, obj, trees[key], directory)
+            load_into(name, obj, trees[key], directory)
     if loaded.rng is not None:  # at the same world size: this rank's partial gradients
         for entry, module in objects.gradients.items():
             grads = trees.get(f"rank:{entry}", {})
@@ -359,12 +359,12 @@ def apply_tensors(
             module.load_state_dict(held, strict=False, assign=bool(options.get("assign")))
 
         rollback.add(name, undo_model)
-        _load_into(name, module, tree, directory, options)
+        load_into(name, module, tree, directory, options)
     for name, opt in objects.optimizers.items():
         state = opt.state_dict()  # its state tensors themselves, in new dicts
         state["state"] = {k: dict(v) for k, v in state["state"].items()}
         rollback.add(name, functools.partial(opt.load_state_dict, state))
-        _load_into(name, opt, trees[name], directory)
+        load_into(name, opt, trees[name], directory)
 
 
 def finish(loaded: Loaded) -> None:

@@ -120,6 +120,13 @@ from .other import extract_model_from_parallel, is_compiled_module, wait_for_eve
 
 # isort: split
 # -- Accelerate's helpers of operations, other, modeling and constants (h21-missing) ------------
+from ..fsdp_checkpoint import (  # Accelerate's FSDP checkpoint helpers, over mpaccel's own
+    load_fsdp_model,
+    load_fsdp_optimizer,
+    merge_fsdp_weights,
+    save_fsdp_model,
+    save_fsdp_optimizer,
+)
 from .constants import (
     PROFILE_PATTERN_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
@@ -293,4 +300,12 @@ __all__ += [
     "pad_input_tensors",
     "recursive_getattr",
     "slice_tensors",
+]
+
+__all__ += [
+    "load_fsdp_model",
+    "load_fsdp_optimizer",
+    "merge_fsdp_weights",
+    "save_fsdp_model",
+    "save_fsdp_optimizer",
 ]

@@ -1,0 +1,120 @@
+"""Accelerate's FSDP checkpoint helpers (save_fsdp_model, load_fsdp_model, save_fsdp_optimizer,
+load_fsdp_optimizer, merge_fsdp_weights) over mpaccel's sharded HDF5 checkpoints: each rank
+writes and reads only its own rows (docs/checkpoint-format.md, "Sharded checkpoints").
+
+Accelerate writes DCP directories (`pytorch_model_fsdp_<i>/`, `optimizer_<i>/`) under
+`output_dir`; these write sharded mpaccel checkpoints under the same names. All but
+merge_fsdp_weights are collective."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from .checkpoint import CheckpointError
+from .checkpoint.sharded import save_sharded
+from .checkpoint.sharded_read import load_sharded, read_full
+from .partial_state import PartialState
+
+
+def _model_dir(output_dir: str, index: int) -> str:
+    return os.path.join(os.fspath(output_dir), f"pytorch_model_fsdp_{index}")
+
+
+def _optimizer_dir(output_dir: str, index: int) -> str:
+    return os.path.join(os.fspath(output_dir), f"optimizer_{index}")
+
+
+def _no_adapters(adapter_only: bool) -> None:
+    if adapter_only:
+        raise CheckpointError(
+            "adapter_only=True (PEFT adapters) is not supported by mpaccel's FSDP checkpoints",
+            "save the whole model (adapter_only=False), or save the adapter with PEFT's own "
+            "save_pretrained on the main process.",
+        )
+
+
+def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module,
+                    output_dir: str, model_index: int = 0, adapter_only: bool = False,
+                    use_dcp: bool = True) -> None:
+    """Collective: the model's state as each rank's rows, in output_dir/pytorch_model_fsdp_<i>
+    (`fsdp_plugin` and `use_dcp` are Accelerate's; the layout is always sharded)."""
+    del fsdp_plugin, use_dcp
+    _no_adapters(adapter_only)
+    module = accelerator.unwrap_model(model)
+    save_sharded(PartialState().comm, _model_dir(output_dir, model_index),
+                 {"model": module.state_dict()})
+
+
+def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, input_dir: str,
+                    model_index: int = 0, adapter_only: bool = False,
+                    use_dcp: bool = True) -> None:
+    """Collective: load what save_fsdp_model wrote (at any world size: each rank reads its
+    rows); `input_dir` may also name the pytorch_model_fsdp_<i> directory itself."""
+    del fsdp_plugin, use_dcp
+    _no_adapters(adapter_only)
+    module = accelerator.unwrap_model(model)
+    directory = _model_dir(input_dir, model_index)
+    directory = directory if os.path.isdir(directory) else os.fspath(input_dir)
+    loaded = load_sharded(PartialState().comm, directory, {"model": module.state_dict()})
+    module.load_state_dict(loaded["model"])
+
+
+def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
+                        model: torch.nn.Module, output_dir: str, optimizer_index: int = 0,
+                        use_dcp: bool = True) -> None:
+    """Collective: the optimizer's state as each rank's rows, in output_dir/optimizer_<i>."""
+    del fsdp_plugin, accelerator, model, use_dcp
+    save_sharded(PartialState().comm, _optimizer_dir(output_dir, optimizer_index),
+                 {"optimizer": optimizer.state_dict()})
+
+
+def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
+                        model: torch.nn.Module, input_dir: str, optimizer_index: int = 0,
+                        adapter_only: bool = False, use_dcp: bool = True) -> None:
+    """Collective: load what save_fsdp_optimizer wrote; an optimizer that has not stepped gets
+    its state created first (its shards then receive their rows), and dropped again if the
+    load fails."""
+    del fsdp_plugin, accelerator, model, use_dcp
+    _no_adapters(adapter_only)
+    directory = _optimizer_dir(input_dir, optimizer_index)
+    directory = directory if os.path.isdir(directory) else os.fspath(input_dir)
+    from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+    stateful = fsdp.OptimizerState(optimizer, create=True)
+    try:
+        loaded = load_sharded(PartialState().comm, directory,
+                              {"optimizer": stateful.state_dict()})
+        stateful.load_state_dict(loaded["optimizer"])
+    except BaseException:
+        stateful.undo()
+        raise
+
+
+def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
+                       remove_checkpoint_dir: bool = False) -> str:
+    """Not collective (run it in one process): join the rows of a save_fsdp_model checkpoint
+    into whole tensors, written to output_path/model.safetensors (safe_serialization=False,
+    which would pickle, is refused). Returns the file's path."""
+    if not safe_serialization:
+        raise CheckpointError(
+            "merge_fsdp_weights(safe_serialization=False) would write a pickle, which mpaccel "
+            "never writes",
+            "leave safe_serialization=True (model.safetensors).",
+        )
+    directory = os.fspath(checkpoint_dir)
+    nested = _model_dir(directory, 0)
+    if not os.path.exists(os.path.join(directory, "sharded.index.json")) and os.path.isdir(nested):
+        directory = nested
+    from safetensors.torch import save_file
+
+    state = read_full(directory, "sharded", "model")
+    os.makedirs(output_path, exist_ok=True)
+    path = os.path.join(output_path, "model.safetensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
+    if remove_checkpoint_dir:
+        shutil.rmtree(directory)
+    return path
