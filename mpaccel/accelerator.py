@@ -35,7 +35,7 @@ from .config import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from .data import PreparedLoader, skip_first_batches
+from .data import skip_first_batches
 from .device import release_memory
 from .enums import (
     DistributedType,
@@ -44,6 +44,7 @@ from .enums import (
 from .errors import ConfigurationError, MpaccelRuntimeWarning, MpaccelWarning
 from .prepare import agreed_seed
 from .prepare import build as build_prepared
+from .prepared_loader import PreparedLoader
 from .samplers import ShardedBatchSampler
 from .state import AcceleratorState, GradientState, PartialState
 from .training import (

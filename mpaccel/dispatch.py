@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .data import PreparedLoader
 from .errors import CollectiveError, RankFailure, with_hint
+from .prepared_loader import PreparedLoader
 from .samplers import GeneratorReplay, _Shares
 from .split import share_bounds
 

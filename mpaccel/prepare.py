@@ -10,9 +10,10 @@ from typing import Any, cast
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from .data import DataLoaderShard, IterableDatasetShard, PreparedLoader, loader_options
+from .data import DataLoaderShard, IterableDatasetShard, loader_options
 from .dispatch import DataLoaderDispatcher, _Window
 from .errors import ConfigurationError
+from .prepared_loader import PreparedLoader
 from .samplers import (
     GeneratorReplay,
     ShardedBatchSampler,
