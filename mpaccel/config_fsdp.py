@@ -79,7 +79,8 @@ def _dtype(value: Any, where: str) -> Any:
 
 def _policy(value: Any) -> Any:
     """torch's MixedPrecisionPolicy for a policy, a dict of its fields, or one dtype for all."""
-    from .fsdp import mixed_precision_policy
+    # imported here: torch.distributed.fsdp only once a plugin is built (see accelerator.py)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if value is None:
         return None
@@ -103,7 +104,7 @@ def _policy(value: Any) -> Any:
     for key in ("param_dtype", "reduce_dtype", "output_dtype"):
         fields[key] = _dtype(fields.get(key), key)
     fields["cast_forward_inputs"] = bool(fields.get("cast_forward_inputs", True))
-    return mixed_precision_policy(**fields)
+    return MixedPrecisionPolicy(**fields)
 
 
 @dataclass

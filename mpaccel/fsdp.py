@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed
@@ -26,11 +26,6 @@ from .errors import ConfigurationError, MpaccelWarning
 
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
-
-
-def mixed_precision_policy(**fields: Any) -> MixedPrecisionPolicy:
-    """torch's MixedPrecisionPolicy (config_fsdp builds it through here)."""
-    return MixedPrecisionPolicy(**fields)
 
 
 def offload_policy(setting: Any) -> Any:
