@@ -23,7 +23,7 @@ from .format import (
     storage_dtype,
     unflatten,
 )
-from .index_check import plain_name
+from .index_fields import plain_name
 from .index_read import read_index
 from .read_plan import Deferred, checksum_owners, claim, writable_view
 from .shard_check import DIRECTORY_FLAGS, check_file, descriptor_path, open_regular

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 
 from .format import CheckpointError, _numpy_storable, storage_dtype
-from .index_check import plain_name
+from .index_fields import plain_name
 
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer forever. On a regular file it
 # changes nothing but one thing: a lease another process holds (a file server's) makes the open
