@@ -29,7 +29,7 @@ FORMAT_VERSION = 1  # what save_state/save_model write: their layout did not cha
 SHARDED_FORMAT_VERSION = 2
 # Levels of nesting a state tree may have: its document in the index nests at most 3 JSON levels
 # per level (a dict with other than str keys is {"__items__": [[key, value]]}), under 5 of the
-# index's own, which stays within what readers accept (index_check.MAX_DEPTH).
+# index's own, which stays within what readers accept (index_scan.MAX_DEPTH).
 MAX_NESTING = 64
 
 
