@@ -13,6 +13,7 @@ import torch
 
 from . import checkpoint, ops, preemption, tracking
 from .accelerator_checkpoint import CheckpointMethods
+from .accelerator_parallelism import ParallelismFacts
 from .accelerator_training import TrainingMethods
 from .config import (
     AutocastKwargs,
@@ -40,7 +41,7 @@ from .training import (
 )
 
 
-class Accelerator(TrainingMethods, CheckpointMethods):
+class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
     """Entry point: process facts, process control, and (see the training docs) training.
 
     Creating it is collective: every process of the job must create one.
@@ -279,26 +280,6 @@ class Accelerator(TrainingMethods, CheckpointMethods):
     def multi_device(self) -> bool:
         """Several processes on accelerators (GPUs), as Accelerate: False on CPU."""
         return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
-
-    @property
-    def is_fsdp2(self) -> bool:
-        return self.state.is_fsdp2
-
-    @property
-    def deepspeed_plugin(self) -> Any:
-        return None
-
-    @property
-    def parallelism_config(self) -> Any:
-        return self.state.parallelism_config
-
-    @property
-    def torch_device_mesh(self) -> Any:
-        return self.state.device_mesh
-
-    @property
-    def is_composable_parallelism_enabled(self) -> bool:
-        return False
 
     @property
     def should_save_model(self) -> bool:
