@@ -30,7 +30,7 @@ from .config import (
 )
 from .device import release_memory
 from .enums import DistributedType, DynamoBackend
-from .errors import ConfigurationError
+from .errors import ConfigurationError, refused
 from .prepared_loader import PreparedLoader
 from .state import AcceleratorState, GradientState, PartialState
 from .training import (
@@ -38,6 +38,11 @@ from .training import (
     AcceleratedScheduler,
     make_grad_scaler,
     warn_fp16_on_cpu,
+)
+
+_LOMO_REFUSED = (
+    "lomo_backward: LOMO optimizers (lomo-optim's Lomo, AdaLomo) are not supported by mpaccel",
+    "use a torch.optim optimizer (AdamW, SGD, ...) with accelerator.backward(loss).",
 )
 
 
@@ -444,6 +449,20 @@ class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
         return ops.pad_across_processes(self._partial.comm, tensor, dim, pad_index, pad_first)
 
     # -- models and memory -----------------------------------------------------------------------
+
+    @property
+    def has_lomo_optimizer(self) -> bool:
+        """Whether a LOMO optimizer (lomo-optim's Lomo or AdaLomo) was prepared."""
+        return any(
+            type(opt.optimizer).__module__.partition(".")[0] == "lomo_optim"
+            for opt in self._optimizers
+        )
+
+    @refused(*_LOMO_REFUSED)
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """Refused: mpaccel does not run LOMO optimizers' fused backward."""
+        del loss, learning_rate
+        raise ConfigurationError(*_LOMO_REFUSED)
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """True if a submodule was dispatched over several devices (`hf_device_map`, from

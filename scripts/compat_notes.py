@@ -257,10 +257,4 @@ ABSENT: dict[str, str] = {
 
 # Gaps: names to add where the note says (Accelerate's scripts or common training scripts use
 # them, and nothing about MPI stands in their way).
-MISSING: dict[str, str] = {
-    **_each(
-        ("Accelerator.",),
-        "has_lomo_optimizer lomo_backward",
-        "not yet: the LOMO optimizers' fused backward (lomo-optim), used by backward()",
-    ),
-}
+MISSING: dict[str, str] = {}
