@@ -3,26 +3,18 @@ switches on the kind of distributed set-up."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
-from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, distributed, ops, preemption, tracking, training
-from .checkpoint import accelerate_layout, solo
-from .checkpoint.directories import agree_directory
-from .checkpoint.safetensors_out import save_safetensors
-from .checkpoint.safetensors_rows import save_rows
-from .checkpoint.training_state import model_state
-from .comm import NullComm, agreement
+from . import checkpoint, ops, preemption, tracking
+from .accelerator_checkpoint import CheckpointMethods
+from .accelerator_parallelism import ParallelismFacts
+from .accelerator_training import TrainingMethods
 from .config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -34,53 +26,27 @@ from .config import (
     ProfileKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
+    handlers_by_type,
 )
-from .data import skip_first_batches
 from .device import release_memory
-from .enums import (
-    DistributedType,
-    DynamoBackend,
-)
-from .errors import ConfigurationError, MpaccelRuntimeWarning, MpaccelWarning
-from .prepare import agreed_seed
-from .prepare import build as build_prepared
+from .enums import DistributedType, DynamoBackend
+from .errors import ConfigurationError, refused
 from .prepared_loader import PreparedLoader
-from .samplers import ShardedBatchSampler
 from .state import AcceleratorState, GradientState, PartialState
 from .training import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
-    autocast_context,
-    compile_model,
     make_grad_scaler,
-    patch_forward,
     warn_fp16_on_cpu,
 )
 
-
-def _handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, Any]:
-    known = (
-        InitProcessGroupKwargs,
-        DistributedDataParallelKwargs,
-        GradScalerKwargs,
-        AutocastKwargs,
-        ProfileKwargs,
-    )
-    found: dict[type, Any] = {}
-    for handler in handlers or ():
-        kind = type(handler)
-        if kind not in known:
-            raise ConfigurationError(
-                f"kwargs_handlers got {handler!r}; mpaccel understands "
-                f"{[k.__name__ for k in known]}",
-            )
-        if kind in found:
-            raise ConfigurationError(f"kwargs_handlers has more than one {kind.__name__}")
-        found[kind] = handler
-    return found
+_LOMO_REFUSED = (
+    "lomo_backward: LOMO optimizers (lomo-optim's Lomo, AdaLomo) are not supported by mpaccel",
+    "use a torch.optim optimizer (AdamW, SGD, ...) with accelerator.backward(loss).",
+)
 
 
-class Accelerator:
+class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
     """Entry point: process facts, process control, and (see the training docs) training.
 
     Creating it is collective: every process of the job must create one.
@@ -134,7 +100,7 @@ class Accelerator:
             )
         if dynamo_plugin is None:
             dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
-        handlers = _handlers_by_type(kwargs_handlers)
+        handlers = handlers_by_type(kwargs_handlers)
         pg = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
         if dataloader_config is None:
             dataloader_config = DataLoaderConfiguration(split_batches=split_batches)
@@ -321,26 +287,6 @@ class Accelerator:
         return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
 
     @property
-    def is_fsdp2(self) -> bool:
-        return self.state.is_fsdp2
-
-    @property
-    def deepspeed_plugin(self) -> Any:
-        return None
-
-    @property
-    def parallelism_config(self) -> Any:
-        return self.state.parallelism_config
-
-    @property
-    def torch_device_mesh(self) -> Any:
-        return self.state.device_mesh
-
-    @property
-    def is_composable_parallelism_enabled(self) -> bool:
-        return False
-
-    @property
     def should_save_model(self) -> bool:
         """Whether this process writes the model where only some do: each node's local main
         process, as Accelerate's without a ParallelismConfig."""
@@ -470,352 +416,6 @@ class Accelerator:
         self.wait_for_checkpoint()  # an async save still being written is committed first
         self.destroy_process_group()
 
-    # -- preparing objects -----------------------------------------------------------------------
-
-    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Collective. Models, optimizers, dataloaders and schedulers, in any order, returned
-        in the same order: models on the device (DistributedDataParallel on several ranks, its
-        parameters broadcast from rank 0), optimizers and schedulers aware of accumulation,
-        dataloaders sharded across ranks. Anything else is returned as it is. With an FSDP plugin
-        the models are fully sharded instead, and the optimizers passed with them re-pointed at
-        the shards (pass each model with its optimizer, as Accelerate requires for FSDP2)."""
-        if device_placement is None:
-            device_placement = [self.device_placement] * len(args)
-        elif len(device_placement) != len(args):
-            raise ConfigurationError(
-                f"device_placement has {len(device_placement)} entries for {len(args)} objects"
-            )
-        prepared: list[Any] = list(args)
-        kinds = (torch.nn.Module, torch.optim.Optimizer, DataLoader)
-        detached: list[Any] = []
-        if self.state.fsdp_plugin is not None:  # the optimizers must not pin the whole tensors
-            from . import sharding
-
-            optimizers = [getattr(o, "optimizer", o) for o in args if _is_optimizer(o)]
-            models = [m for m in args if isinstance(m, torch.nn.Module)]
-            if not models:
-                sharding.check_optimizers(optimizers, self._models)
-            detached = sharding.detach_optimizers(models, optimizers)
-        for index, obj in enumerate(args):  # schedulers need the prepared optimizers first
-            if isinstance(obj, kinds):
-                prepared[index] = self._prepare_one(obj, device_placement[index])
-        if detached:
-            from . import sharding
-
-            sharding.attach_optimizers(detached)
-        for index, obj in enumerate(args):
-            if _is_scheduler(obj):
-                prepared[index] = self.prepare_scheduler(obj)
-        return prepared[0] if len(prepared) == 1 else tuple(prepared)
-
-    def _prepare_one(self, obj: Any, placement: bool) -> Any:
-        if isinstance(obj, torch.nn.Module):
-            return self.prepare_model(obj, device_placement=placement)
-        if isinstance(obj, torch.optim.Optimizer):
-            return self.prepare_optimizer(obj, device_placement=placement)
-        return self.prepare_data_loader(obj, device_placement=placement)
-
-    def prepare_model(
-        self,
-        model: torch.nn.Module,
-        device_placement: bool | None = None,
-        evaluation_mode: bool = False,
-    ) -> torch.nn.Module:
-        """Collective when distributed (DDP broadcasts rank 0's parameters and buffers). A
-        model prepared already (or the module inside one) gives back its prepared model.
-        With a dynamo backend (Accelerator(dynamo_backend=...) or dynamo_plugin=), the model
-        returned is torch.compile's wrapper around it, made last, as Accelerate does."""
-        inner = self.unwrap_model(model, keep_torch_compile=False)
-        for prepared in self._models:
-            if inner is self.unwrap_model(prepared, keep_torch_compile=False):
-                return model if training.is_compiled_module(model) else prepared
-        placement = device_placement if device_placement is not None else self.device_placement
-        if self.state.fsdp_plugin is not None:  # collective: fully_shard in place
-            from . import sharding
-
-            model = sharding.shard_model(
-                model, self.state.fsdp_plugin, self.state.device_mesh, self._partial.comm,
-                self.device, placement,
-            )  # fmt: skip
-        elif placement:
-            model = model.to(self.device)
-        patch_forward(model, self.mixed_precision, self.device, self._autocast_options())
-        self._models.append(model)
-        trainable = any(p.requires_grad for p in model.parameters())
-        ddp = self.state.fsdp_plugin is None and self.num_processes > 1
-        if ddp and trainable and not evaluation_mode:
-            options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
-            model = distributed.wrap_ddp(model, self.device, **options)
-            if self.ddp_handler is not None:
-                self.ddp_handler.register_comm_hook(model)
-            self._models[-1] = model
-        plugin = self.state.dynamo_plugin
-        if plugin.backend != DynamoBackend.NO:
-            # Only the user's copy is compiled: checkpoints work on the model kept in _models,
-            # and no_sync, accumulate and Join find the DDP inside the compiled one.
-            return compile_model(model, plugin.to_kwargs())
-        return model
-
-    def prepare_optimizer(
-        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
-    ) -> AcceleratedOptimizer:
-        """Not collective. The optimizer, aware of gradient accumulation and fp16 loss scaling;
-        with device placement (the Accelerator's by default) its state tensors (a loaded
-        state_dict's, say) move to the device, as Accelerate's."""
-        if isinstance(optimizer, AcceleratedOptimizer):
-            return optimizer
-        if device_placement if device_placement is not None else self.device_placement:
-            training.move_optimizer_state(optimizer, self.device)
-        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
-        self._optimizers.append(wrapped)
-        return wrapped
-
-    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        if isinstance(scheduler, AcceleratedScheduler):
-            return scheduler
-        optimizers = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
-        wrapped = AcceleratedScheduler(
-            scheduler,
-            optimizers or self._optimizers,
-            self.gradient_state,
-            self.num_processes,
-            step_with_optimizer=self.step_scheduler_with_optimizer,
-            split_batches=self.split_batches,
-        )
-        self._schedulers.append(wrapped)
-        return wrapped
-
-    def prepare_data_loader(
-        self,
-        data_loader: DataLoader,
-        device_placement: bool | None = None,
-        slice_fn_for_dispatch: Callable | None = None,
-    ) -> DataLoader:
-        """Collective the first time (the shuffling seed is agreed over MPI, unless
-        `dataloader_config.data_seed` is set). The loader is prepared as
-        `dataloader_config` says, read at this call; `slice_fn_for_dispatch` cuts global batches
-        when they are dispatched. A loader prepared already is returned as it is."""
-        if issubclass(type(data_loader), PreparedLoader):  # isinstance would say DataLoader too
-            return data_loader
-        config = self.dataloader_config
-        seed = config.data_seed
-        if seed is None:
-            if self._data_seed is None:
-                self._data_seed = agreed_seed(self._partial.comm)
-            seed = self._data_seed
-        place = device_placement if device_placement is not None else self.device_placement
-        shard = build_prepared(
-            data_loader,
-            device=self.device if place else None,
-            num_processes=self.num_processes,
-            process_index=self.process_index,
-            world=(self.num_processes, self.process_index),
-            split_batches=config.split_batches,
-            put_on_device=place,
-            rng_types=list(self.rng_types),
-            dispatch_batches=config.dispatch_batches,
-            even_batches=config.even_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=config.use_seedable_sampler,
-            seed=seed,
-            non_blocking=config.non_blocking,
-            use_stateful_dataloader=config.use_stateful_dataloader,
-            torch_device_mesh=None,
-            gradient_state=self.gradient_state,
-        )
-        self._dataloaders.append(shard)
-        return shard  # type: ignore[return-value]  # it passes for a DataLoader
-
-    @contextmanager
-    def join_uneven_inputs(
-        self, joinables: list[Any], even_batches: bool | None = None
-    ) -> Iterator[None]:
-        """Collective in effect. Training or evaluation where ranks get different numbers of
-        batches: torch.distributed's Join around the block, so that DDP models (and other
-        Joinables) of ranks that ran out of batches keep answering the others' all-reduces
-        instead of leaving them hanging. `even_batches` overrides the prepared map-style
-        loaders' setting inside the block (False: no repeated samples, uneven batches); Join
-        is enabled only when batches are uneven. Does nothing in a world of one, and warns
-        (UserWarning) and does nothing for set-ups other than DDP on CPUs or GPUs."""
-        if self.num_processes == 1 or self.distributed_type not in (
-            DistributedType.MULTI_CPU,
-            DistributedType.MULTI_GPU,
-        ):
-            if self.distributed_type != DistributedType.NO:
-                warnings.warn(
-                    f"joining uneven inputs is only supported for multi-GPU and multi-CPU "
-                    f"DistributedDataParallel training, not {self.distributed_type}: "
-                    f"join_uneven_inputs has no effect",
-                    MpaccelWarning,
-                    stacklevel=3,
-                )
-            yield
-            return
-        changed = []
-        if even_batches is not None:
-            for loader in self._dataloaders:
-                if isinstance(loader.sharding, ShardedBatchSampler):
-                    changed.append((loader.sharding, loader.sharding.even_batches))
-                    loader.sharding.even_batches = even_batches
-            if len(changed) < len(self._dataloaders):
-                warnings.warn(
-                    "overriding even_batches in join_uneven_inputs is only supported for "
-                    "map-style datasets; the loaders of iterable datasets keep their setting",
-                    MpaccelWarning,
-                    stacklevel=3,
-                )
-        else:
-            even_batches = self.even_batches
-        if not even_batches and self.gradient_accumulation_steps > 1:
-            warnings.warn(
-                "join_uneven_inputs with gradient accumulation: a rank whose loader ends first "
-                "synchronises gradients at its last batch while the others are inside no_sync, "
-                "and DDP's all-reduces then no longer pair up (the job waits until the "
-                "timeout); accumulate only where every rank has the same number of batches",
-                MpaccelRuntimeWarning,
-                stacklevel=3,
-            )
-        try:
-            with distributed.join(joinables, enable=not even_batches):
-                yield
-        finally:
-            for sharding, value in changed:
-                sharding.even_batches = value
-
-    def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> Any:
-        """A prepared loader: the same one, whose next pass starts after `num_batches` batches.
-        Any other DataLoader: a new one that leaves them out on every pass (as Accelerate's)."""
-        return skip_first_batches(dataloader, num_batches)
-
-    # -- the training step -----------------------------------------------------------------------
-
-    def _do_sync(self) -> None:
-        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
-            self.step = 0
-            self.gradient_state._set_sync_gradients(True)
-        else:
-            self.step += 1
-            self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
-
-    @contextmanager
-    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
-        """Not collective. One micro-batch: decides whether this step synchronises gradients
-        (every `gradient_accumulation_steps`, and at the end of the dataloader) and, when it
-        does not, suppresses DDP's all-reduce in backward."""
-        self._do_sync()
-        each_batch = self.use_distributed and self.gradient_state.sync_each_batch
-        allow = self.sync_gradients or each_batch
-        with contextlib.ExitStack() as stack:
-            for model in models:
-                stack.enter_context(contextlib.nullcontext() if allow else self.no_sync(model))
-            yield
-
-    @contextmanager
-    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
-        """Gradients computed in this block are not all-reduced (DDP, compiled or not) nor
-        reduce-scattered (FSDP: each rank accumulates whole gradients until the next
-        synchronising backward); a no-op otherwise."""
-        ddp = distributed.ddp_of(model)
-        if ddp is not None:
-            with ddp.no_sync():
-                yield
-        elif self.state.fsdp_plugin is not None:
-            from . import fsdp
-
-            with fsdp.no_gradient_sync(model):
-                yield
-        else:
-            yield
-
-    @staticmethod
-    @contextmanager
-    def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
-        """The backward of this block all-reduces the gradients, even inside no_sync() (DDP
-        only; a no-op otherwise): for a last micro-batch whose forward ran under no_sync, as in
-        Accelerate. Relies on DDP internals, as Accelerate's does."""
-        ddp: Any = distributed.ddp_of(model)
-        if ddp is None:
-            yield
-            return
-        saved = (ddp.require_backward_grad_sync, ddp.require_forward_param_sync)
-        ddp.require_backward_grad_sync = True
-        ddp.require_forward_param_sync = True
-        ddp.reducer.prepare_for_backward([])
-        try:
-            yield
-        finally:
-            ddp.require_backward_grad_sync, ddp.require_forward_param_sync = saved
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """loss.backward(), divided by the accumulation steps and scaled for fp16. With DDP, the
-        gradients are all-reduced here on synchronising steps."""
-        loss = loss / self.gradient_accumulation_steps
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward(**kwargs)
-
-    def unscale_gradients(self, optimizer: Any = None) -> None:
-        """fp16: divide gradients by the loss scale (done for you before clipping)."""
-        targets = (
-            self._optimizers
-            if optimizer is None
-            else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
-        )
-        for opt in targets:
-            if isinstance(opt, AcceleratedOptimizer):
-                opt.unscale_gradients()
-
-    def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2
-    ) -> torch.Tensor:
-        """Clip the gradients' total norm (after fp16 unscaling); returns the total norm before
-        clipping. After DDP's all-reduce the gradients, and so the norm, agree on every rank.
-        Under FSDP, collective: the norm is the whole model's, reduced over the shards."""
-        self.unscale_gradients()
-        if self.state.fsdp_plugin is not None:
-            from . import fsdp
-
-            return fsdp.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clamp every gradient element to [-clip_value, clip_value] (after fp16 unscaling)."""
-        self.unscale_gradients()
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
-
-    @contextmanager
-    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
-        """Run the block in the configured mixed precision (prepared models already do), with
-        `autocast_handler`'s options if given, else those of kwargs_handlers' AutocastKwargs."""
-        options = self._autocast_options(autocast_handler)
-        with autocast_context(self.mixed_precision, self.device, options):
-            yield
-
-    def _autocast_options(self, handler: KwargsHandler | None = None) -> dict[str, Any]:
-        chosen = handler or self.autocast_handler
-        return chosen.to_kwargs() if chosen is not None else {}
-
-    @contextmanager
-    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[Any]:
-        """Not collective. torch.profiler around the block, configured by `profile_handler`, else
-        the ProfileKwargs of kwargs_handlers, else torch's defaults; yields the profiler (call
-        its step() per iteration when a schedule is set). Each rank profiles itself; with
-        output_trace_dir, each writes its Chrome trace there as profile_<rank>.json."""
-        handler = profile_handler or self.profile_handler or ProfileKwargs()
-        with handler.build() as profiler:
-            yield profiler
-        if handler.output_trace_dir is None:
-            return
-        os.makedirs(handler.output_trace_dir, exist_ok=True)
-        profiler.export_chrome_trace(
-            os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json")
-        )
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """fp16: the last optimizer step was skipped because gradients overflowed."""
-        return any(opt.step_was_skipped for opt in self._optimizers)
-
     # -- collective operations on tensors --------------------------------------------------------
 
     def gather(self, tensor: Any) -> Any:
@@ -850,372 +450,19 @@ class Accelerator:
 
     # -- models and memory -----------------------------------------------------------------------
 
-    def unwrap_model(
-        self,
-        model: torch.nn.Module,
-        keep_fp32_wrapper: bool = True,
-        keep_torch_compile: bool = True,
-    ) -> Any:
-        """The user's model without DDP (and, with keep_fp32_wrapper=False, without autocast).
-        A compiled model comes back compiled (around the unwrapped module) unless
-        keep_torch_compile=False."""
-        return training.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
-
-    def get_state_dict(
-        self, model: torch.nn.Module, unwrap: bool = True, *, all_ranks: bool = False
-    ) -> dict[str, Any]:
-        """Not collective, but under FSDP. The model's state_dict (of the unwrapped model by
-        default: no `module.` prefix from DDP, nor `_orig_mod.` from torch.compile), as
-        Accelerate's, to save it or hand it to another library. A fully sharded model's is
-        gathered into whole CPU tensors: on rank 0 only (the others get {}), as Accelerate's,
-        or with `all_ranks=True` on every rank."""
-        if unwrap:
-            model = self.unwrap_model(model, keep_torch_compile=False)
-        if self.state.fsdp_plugin is not None:
-            from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
-
-            if fsdp.fsdp_module(model) is not None:
-                return fsdp.full_state_dict(model, everywhere=all_ranks)
-        return model.state_dict()
-
-    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-        """torch.save (or safetensors) on the main process only; others do nothing."""
-        if not self.is_main_process:
-            return
-        if safe_serialization:
-            try:
-                from safetensors.torch import save_file
-            except ImportError as exc:
-                raise ConfigurationError(
-                    "safe_serialization=True needs the safetensors package",
-                    "pip install safetensors",
-                ) from exc
-            save_file(obj, f)
-        else:
-            torch.save(obj, f)
-
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def save_model(
-        self,
-        model: torch.nn.Module,
-        save_directory: str,
-        max_shard_size: int | str = "10GB",
-        safe_serialization: bool = True,
-    ) -> None:
-        """Collective when every rank calls it; also callable by one rank alone (`if
-        accelerator.is_main_process:`), which then writes everything (docs/checkpoint-format.md,
-        "Saving from one rank"). The unwrapped model's weights in shards of at most
-        `max_shard_size`, written in parallel (shard i by rank i mod N): with
-        `safe_serialization=True` (Accelerate's default) as `model.safetensors`, or
-        `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`, Hugging Face's
-        layout; with `safe_serialization=False` as mpaccel's HDF5 shards + `model.index.json`
-        (never a pickle; read back with `mpaccel.checkpoint.load_model_state(dir)`). Under FSDP
-        every rank must call it: each writes its own rows of the full tensors into the same
-        files, at their offsets (no rank gathers a tensor)."""
-        comm = self._partial.comm
-        who = solo.who_saves(comm, "save_model", save_directory)
-        if who == solo.OTHERS:
-            return
-        comm = comm if who == solo.COLLECTIVE else NullComm(default_timeout=comm.default_timeout)
-        if safe_serialization:
-            state = model_state(comm, self.unwrap_model(model))
-            # a fully sharded model: every rank writes its rows of the same files, no gather
-            write = save_safetensors
-            if self.state.fsdp_plugin is not None:
-                from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
-
-                if fsdp.fsdp_module(self.unwrap_model(model)) is not None:
-                    write = save_rows
-            write(comm, state, os.fspath(save_directory), max_shard_size)
-        else:
-            checkpoint.save_model(comm, self.unwrap_model(model), save_directory, max_shard_size)
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with state_dict()/load_state_dict() in save_state/load_state."""
-        bad = [
-            o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
-        ]
-        if bad:
-            raise TypeError(
-                f"register_for_checkpointing needs objects with state_dict() and "
-                f"load_state_dict(); {[type(o).__name__ for o in bad]} lack them"
-            )
-        self._custom_objects.extend(objects)
-
-    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call `hook(models, weights, output_dir)` in save_state() before anything is written,
-        on every rank, in the order registered: `models` are the prepared models, `weights`
-        their state_dicts (as prepared: with DDP's `module.` prefix), `output_dir` the
-        checkpoint's directory (created). A hook that saves a model its own way removes its
-        entry from `weights` (`weights.pop()`): that model is then left out of the checkpoint
-        (its hook must load it: register_load_state_pre_hook). Returns a handle whose
-        remove() unregisters the hook."""
-        handle = RemovableHandle(self._save_model_state_pre_hook)
-        self._save_model_state_pre_hook[handle.id] = hook
-        return handle
-
-    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call `hook(models, input_dir)` in load_state() before anything is read, on every
-        rank, in the order registered: a hook that loads a model its own way removes it from
-        `models`, which load_state() then leaves alone. Returns a removable handle."""
-        handle = RemovableHandle(self._load_model_state_pre_hook)
-        self._load_model_state_pre_hook[handle.id] = hook
-        return handle
-
-    def _run_pre_hooks(
-        self, hooks: Iterable[Callable], arguments: tuple, listed: list, what: str,
-        comm: Any = None,
-    ) -> list[torch.nn.Module]:
-        """Collective. Call the `hooks` with `arguments` (of which `listed` is the list the
-        hooks may shorten, one entry per prepared model); returns the models whose entries
-        remain, the same on every rank (a hook failing on any rank fails every rank)."""
-        entries = list(listed)
-        comm = self._partial.comm if comm is None else comm  # a NullComm: a save by one rank
-        with agreement(comm, what):
-            for hook in hooks:
-                hook(*arguments)
-        kept = [i for i, entry in enumerate(entries) if any(entry is e for e in listed)]
-        everyone = comm.allgather(kept, what)
-        if any(k != kept for k in everyone):
-            raise ConfigurationError(
-                f"{what}: the hooks removed different models on different ranks "
-                f"({dict(enumerate(everyone))}: indices of the models kept)",
-                "the hooks must remove the same entries on every rank.",
-            )
-        return [self._models[i] for i in kept]
-
-    def _checkpoint_objects(
-        self, models: list[torch.nn.Module], gradients: bool, loading: bool = False
-    ) -> checkpoint.TrainingState:
-        """What save_state/load_state hand the checkpoint, under the names of its entries:
-        `models` (what the pre-hooks left), then everything else prepared or registered;
-        with `gradients`, the models' gradients per rank. Fully sharded models and their
-        optimizers are `sharded` entries (each rank stores its rows); their gradients are not
-        saved. `loading`: a fresh optimizer over shards gets its state created to load into."""
-        unwrapped = [self.unwrap_model(model) for model in models]
-        shared: dict[str, checkpoint.Stateful] = {
-            f"scheduler_{i}": sched for i, sched in enumerate(self._schedulers)
-        }
-        if self.scaler is not None:
-            shared["scaler"] = self.scaler
-        shared.update({f"custom_{i}": obj for i, obj in enumerate(self._custom_objects)})
-        shared["accelerator"] = _AccumulationStep(self)
-        named = {f"model_{i}": module for i, module in enumerate(unwrapped)}
-        optimizers = {f"optimizer_{i}": opt for i, opt in enumerate(self._optimizers)}
-        sharded: dict[str, Any] = {}
-        if self.state.fsdp_plugin is not None:
-            from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
-
-            sharded = {name: m for name, m in named.items() if fsdp.fsdp_module(m) is not None}
-            if sharded:  # prepare() built every optimizer over the shards
-                sharded.update({name: fsdp.OptimizerState(opt, create=loading)
-                                for name, opt in optimizers.items()})
-        return checkpoint.TrainingState(
-            models={name: m for name, m in named.items() if name not in sharded},
-            optimizers={name: o for name, o in optimizers.items() if name not in sharded},
-            shared=shared,
-            per_rank={f"dataloader_{i}": loader for i, loader in enumerate(self._dataloaders)},
-            gradients={n.replace("model", "gradients"): m for n, m in named.items()
-                       if n not in sharded} if gradients else {},
-            optional=frozenset({"scaler"}),
-            sharded=sharded,
+    @property
+    def has_lomo_optimizer(self) -> bool:
+        """Whether a LOMO optimizer (lomo-optim's Lomo or AdaLomo) was prepared."""
+        return any(
+            type(opt.optimizer).__module__.partition(".")[0] == "lomo_optim"
+            for opt in self._optimizers
         )
 
-    def save_state(
-        self,
-        output_dir: str | None = None,
-        safe_serialization: bool = True,
-        *,
-        async_save: bool = False,
-        **save_model_func_kwargs: Any,
-    ) -> str:
-        """Collective when every rank calls it; also callable by one rank alone, which then
-        writes everything it holds (docs/checkpoint-format.md, "Saving from one rank").
-        Models, optimizers, schedulers, grad scaler, registered objects, and each
-        rank's RNG states and dataloader positions, as an HDF5 checkpoint committed atomically.
-        Ranks that pass different directories use rank 0's (with a warning).
-        With ProjectConfiguration(automatic_checkpoint_naming=True) the directory is
-        project_dir/checkpoints/checkpoint_<n> and old ones are rotated (total_limit).
-        async_save=True (keyword only) snapshots to host memory and writes in the background;
-        see wait_for_checkpoint(). Returns the directory. HDF5 holds no pickles, so
-        `safe_serialization` (Accelerate's choice of safetensors over pickle) is always
-        honoured; `save_model_func_kwargs` (Accelerate passes them to DeepSpeed) are ignored.
-        Hooks of register_save_state_pre_hook run first."""
-        del safe_serialization, save_model_func_kwargs
-        comm = self._partial.comm
-        config = self.project_configuration
-        who = solo.who_saves(comm, "save_state", output_dir)
-        if who == solo.OTHERS:  # another rank wrote it alone
-            if config.automatic_checkpoint_naming:
-                config.iteration += 1
-            return os.fspath(output_dir) if output_dir is not None else ""
-        if who == solo.ALONE:
-            comm = NullComm(default_timeout=comm.default_timeout)
-        elif output_dir is not None:
-            output_dir, _ = agree_directory(comm, output_dir, "save_state")
-        elif config.automatic_checkpoint_naming:
-            # saves by the main process alone advanced its number only: follow rank 0's
-            config.iteration = comm.bcast(config.iteration, what="save_state (its number)")
-        models = self._models
-        if self._save_model_state_pre_hook:
-            directory = ""
-            try:  # an error here is the checkpoint's to report, collectively, below
-                directory = checkpoint.resolve_output(self.project_configuration, output_dir)
-                os.makedirs(directory, exist_ok=True)
-            except Exception:
-                pass
-            weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
-            models = self._run_pre_hooks(
-                list(self._save_model_state_pre_hook.values()),
-                (self._models, weights, directory),
-                weights,
-                "save_state (pre-hooks)",
-                comm,
-            )
-        # Saved mid-accumulation: each rank's gradients summed so far are part of the state.
-        objects = self._checkpoint_objects(models, gradients=not self.sync_gradients)
-        return checkpoint.save_state(
-            comm,
-            objects,
-            output_dir,
-            project=self.project_configuration,
-            saver=self._async_saver,
-            # a rank saving alone writes synchronously: the background writer's communicator
-            # spans every rank
-            async_save=async_save and comm is self._partial.comm,
-        )
-
-    def load_state(
-        self,
-        input_dir: str | None = None,
-        load_kwargs: dict[str, Any] | None = None,
-        *,
-        allow_pickle: bool | None = None,
-        **load_model_func_kwargs: Any,
-    ) -> str:
-        """Collective. Restore what save_state wrote (the latest complete checkpoint when
-        input_dir is None and automatic naming is on). Works at another world size: shared
-        state loads anywhere; per-rank RNG states are then skipped, with a warning. Ranks that
-        pass different directories use rank 0's (with a warning).
-
-        A directory written by Hugging Face Accelerate's save_state is recognised: its
-        safetensors model weights load; its pickles (`optimizer.bin`, `scheduler.bin`,
-        `pytorch_model.bin`, `random_states_<rank>.pkl`, ...) only with `allow_pickle=True`
-        (keyword only) or MPACCEL_ALLOW_PICKLE=1, for a directory you trust; otherwise an
-        error names them, before anything changes.
-
-        `load_model_func_kwargs` go to the models' load_state_dict (`strict=False`: keys may
-        be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
-        accepted and has nothing to act on. Hooks of register_load_state_pre_hook run first."""
-        del load_kwargs
-        comm = self._partial.comm
-        accelerate_dir = False
-        if input_dir is not None:
-            input_dir, accelerate_dir = agree_directory(
-                comm, input_dir, "load_state", accelerate_layout.recognise(os.fspath(input_dir))
-            )
-        models = self._models
-        if self._load_model_state_pre_hook:
-            directory = input_dir
-            if directory is None and self.project_dir is not None:
-                latest = checkpoint.latest_checkpoint(self.project_dir)
-                directory = latest[1] if latest is not None else None
-            listed = list(self._models)
-            models = self._run_pre_hooks(
-                list(self._load_model_state_pre_hook.values()),
-                (listed, directory),
-                listed,
-                "load_state (pre-hooks)",
-            )
-        objects = self._checkpoint_objects(models, gradients=True, loading=True)
-        try:
-            if accelerate_dir:
-                assert input_dir is not None
-                self._async_saver.wait()
-                with agreement(comm, f"loading Accelerate checkpoint {input_dir!r}",
-                               kind=checkpoint.CheckpointCollectiveError):
-                    accelerate_layout.load_accelerate_state(
-                        objects, input_dir, self.process_index, allow_pickle,
-                        load_model_func_kwargs,
-                    )
-                return input_dir
-            return checkpoint.load_state(
-                comm,
-                objects,
-                input_dir,
-                project=self.project_configuration,
-                saver=self._async_saver,
-                model_options=load_model_func_kwargs,
-                node_share=(self.local_process_index, self._partial.local_num_processes),
-            )
-        except BaseException:  # a fresh optimizer is fresh again
-            for obj in objects.sharded.values():
-                undo = getattr(obj, "undo", None)  # fsdp.OptimizerState's
-                if undo is not None:
-                    undo()
-            raise
-
-    def wait_for_checkpoint(self) -> None:
-        """Collective in effect: block until an async save is committed (re-raises its error)."""
-        self._async_saver.wait()
-
-    # -- preemption (Slurm) ----------------------------------------------------------------------
-
-    def handle_preemption(
-        self, signals: Any = preemption.DEFAULT_SIGNALS, requeue: bool = True
-    ) -> None:
-        """Not collective. From now on SIGUSR1/SIGTERM (Slurm's --signal, preemption, the
-        wall-time limit) are only recorded; the loop then asks should_stop() at step
-        boundaries and calls checkpoint_and_exit(). `requeue`: put the job back in the queue."""
-        if self._preemption is not None:
-            self._preemption.uninstall()
-        self._preemption = preemption.Preemption(signals, requeue)
-        self._preemption.install()
-
-    def should_stop(self) -> bool:
-        """Collective: True on every rank once any rank received a preemption signal, at the
-        first optimizer-step boundary from then on (mid-accumulation it waits for the step, so
-        the checkpoint holds no half-accumulated gradients). One MPI all-reduce of an int;
-        False without one when handle_preemption() was not called."""
-        if self._preemption is None:
-            return False
-        return self._preemption.check(self._partial.comm) and self.sync_gradients
-
-    @property
-    def preempted(self) -> str | None:
-        """The signal that stopped the job ('SIGUSR1', ...), None if none arrived here."""
-        return None if self._preemption is None else self._preemption.signal_name
-
-    def checkpoint_and_exit(self, output_dir: str | None = None, exit_code: int = 0) -> None:
-        """Collective: save_state() (committed, even if async saves are pending), then rank 0
-        requeues the Slurm job if handle_preemption(requeue=True), then every rank exits."""
-        directory = self.save_state(output_dir)
-        self.wait_for_checkpoint()
-        # Finish MPI before requeueing: the requeue kills this job step at once, and MPI
-        # processes killed mid-run leave shared-memory segments that the restarted job (same
-        # job and step id, hence the same segment names under MPICH) would trip over.
-        self.wait_for_everyone()
-        distributed.destroy_process_group()
-        self._partial.comm.finalize()
-        requeued = False
-        if self.is_main_process and self._preemption is not None and self._preemption.requeue:
-            requeued = preemption.requeue()
-        self.print(
-            f"mpaccel: checkpoint {directory} committed"
-            + ("; job requeued" if requeued else "")
-            + "; exiting"
-        )
-        preemption.exit_cleanly(exit_code)
-
-    @property
-    def restart_count(self) -> int:
-        """SLURM_RESTART_COUNT: 0 on the first run, n after n requeues."""
-        return preemption.restart_count()
-
-    @property
-    def save_iteration(self) -> int:
-        return self.project_configuration.iteration
+    @refused(*_LOMO_REFUSED)
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """Refused: mpaccel does not run LOMO optimizers' fused backward."""
+        del loss, learning_rate
+        raise ConfigurationError(*_LOMO_REFUSED)
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """True if a submodule was dispatched over several devices (`hf_device_map`, from
@@ -1237,29 +484,3 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"Accelerator(\n{self.state!r})"
-
-
-def _is_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer)
-
-
-def _is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
-        hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "get_last_lr")
-    )
-
-
-class _AccumulationStep:
-    """The Accelerator's micro-batch count, as a checkpoint holds it (entry "accelerator")."""
-
-    def __init__(self, accelerator: Accelerator) -> None:
-        self._accelerator = accelerator
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self._accelerator.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        step = state.get("step") if isinstance(state, dict) else None
-        if type(step) is not int or step < 0:
-            raise ValueError(f"it holds the step {step!r}, not a count")
-        self._accelerator.step = step

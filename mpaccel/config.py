@@ -5,7 +5,7 @@ rejected, by name."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -348,6 +348,29 @@ class TorchDynamoPlugin(KwargsHandler):
         if "backend" in kwargs:
             kwargs["backend"] = self.backend.value.lower()
         return kwargs
+
+
+def handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, Any]:
+    """Accelerator(kwargs_handlers=...) by type; an unknown or repeated kind is an error."""
+    known = (
+        InitProcessGroupKwargs,
+        DistributedDataParallelKwargs,
+        GradScalerKwargs,
+        AutocastKwargs,
+        ProfileKwargs,
+    )
+    found: dict[type, Any] = {}
+    for handler in handlers or ():
+        kind = type(handler)
+        if kind not in known:
+            raise ConfigurationError(
+                f"kwargs_handlers got {handler!r}; mpaccel understands "
+                f"{[k.__name__ for k in known]}",
+            )
+        if kind in found:
+            raise ConfigurationError(f"kwargs_handlers has more than one {kind.__name__}")
+        found[kind] = handler
+    return found
 
 
 class _Refused:

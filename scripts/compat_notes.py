@@ -257,21 +257,4 @@ ABSENT: dict[str, str] = {
 
 # Gaps: names to add where the note says (Accelerate's scripts or common training scripts use
 # them, and nothing about MPI stands in their way).
-_PARALLEL_RANK = (
-    "not yet: Accelerate raises here unless a ParallelismConfig is set, which mpaccel "
-    "refuses; to add to accelerator.py as Accelerate's error with a HINT"
-)
-
-MISSING: dict[str, str] = {
-    **_each(
-        ("Accelerator.",),
-        "data_parallel_rank data_parallel_shard_rank tensor_parallel_rank context_parallel_rank "
-        "pipeline_parallel_rank",
-        _PARALLEL_RANK,
-    ),
-    **_each(
-        ("Accelerator.",),
-        "has_lomo_optimizer lomo_backward",
-        "not yet: the LOMO optimizers' fused backward (lomo-optim), used by backward()",
-    ),
-}
+MISSING: dict[str, str] = {}

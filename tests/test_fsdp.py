@@ -309,6 +309,28 @@ def test_parallelism_config_replicates_and_trains_the_same(comm):
         Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2))
 
 
+def test_parallel_ranks_follow_the_parallelism_config(comm):
+    reset_state()
+    acc = Accelerator()  # no ParallelismConfig: Accelerate's errors
+    for name in ("data_parallel_rank", "data_parallel_shard_rank", "tensor_parallel_rank"):
+        with pytest.raises(RuntimeError, match=r"(?s)no parallelism_config.*HINT"):
+            getattr(acc, name)
+    for name in ("context_parallel_rank", "pipeline_parallel_rank"):
+        with pytest.raises(NotImplementedError, match=r"(?s)not supported.*HINT"):
+            getattr(acc, name)
+    n = comm.size
+    shape = (2, n // 2) if n % 2 == 0 else (1, n)
+    reset_state()
+    acc = Accelerator(
+        fsdp_plugin=_plugin(),
+        parallelism_config=ParallelismConfig(dp_replicate_size=shape[0], dp_shard_size=shape[1]),
+    )
+    assert acc.data_parallel_rank == comm.rank // shape[1]
+    assert acc.data_parallel_shard_rank == comm.rank % shape[1]
+    assert acc.tensor_parallel_rank == 0
+    reset_state()
+
+
 def test_full_shard_mesh_is_every_rank(comm):
     acc = _fresh()
     assert acc.torch_device_mesh.mesh_dim_names == ("dp_shard",)

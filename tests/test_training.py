@@ -980,3 +980,18 @@ def test_fp16_on_cpu_warns_once(comm, monkeypatch):
     mine = [w for w in caught if "fp16" in str(w.message) and "float32" in str(w.message)]
     assert len(mine) == (1 if comm.rank == 0 else 0)  # once, on the main process
     assert mine == [] or issubclass(mine[0].category, UserWarning)
+
+
+def test_lomo_optimizers_are_noticed_and_their_backward_refused(comm):
+    reset_state()
+    acc = Accelerator()
+    model = torch.nn.Linear(2, 1)
+    acc.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert acc.has_lomo_optimizer is False
+    # identified by its package, as lomo-optim is not installed here
+    lomo = type("Lomo", (torch.optim.SGD,), {"__module__": "lomo_optim.lomo"})
+    acc.prepare_optimizer(lomo(model.parameters(), lr=0.1))
+    assert acc.has_lomo_optimizer is True
+    loss = model(torch.ones(1, 2)).sum()
+    with pytest.raises(ConfigurationError, match=r"(?s)not supported by mpaccel.*HINT"):
+        acc.lomo_backward(loss, 0.1)
