@@ -39,3 +39,16 @@ def _fresh_mpaccel_state():
     reset_state()
     yield
     reset_state()
+
+
+@pytest.fixture
+def no_group_left_behind():
+    """At size 1 an FSDP plugin makes a torch.distributed group of one in this process; tests
+    that run after it in the same pytest process expect none (a plain python job has none):
+    take down a group the test made."""
+    import torch.distributed as dist
+
+    had = dist.is_available() and dist.is_initialized()
+    yield
+    if not had and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        dist.destroy_process_group()

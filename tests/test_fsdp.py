@@ -19,6 +19,8 @@ from mpaccel.errors import CollectiveError, ConfigurationError, MpaccelWarning
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
 
+pytestmark = pytest.mark.usefixtures("no_group_left_behind")
+
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 WIDTH = 10  # rows split 10 | 5/5 | 4/4/2 | 3/3/3/1: uneven at 3 and 4
 

@@ -19,7 +19,7 @@ from mpaccel.checkpoint import CheckpointCollectiveError, load_model_state
 from mpaccel.testing import reset_state
 from mpaccel.utils import ProjectConfiguration
 
-pytestmark = pytest.mark.mpi_timeout(300)
+pytestmark = [pytest.mark.mpi_timeout(300), pytest.mark.usefixtures("no_group_left_behind")]
 
 
 def _accelerator(sharded: bool = True, **kwargs) -> Accelerator:
