@@ -91,6 +91,15 @@ def finish_before_exit(hook: Callable[[], object]) -> None:
     (register or atexit.register)(hook)
 
 
+def leave_now(code: int) -> NoReturn:
+    """Not collective, but for an error every rank has: end this process at once with `code`
+    (output flushed, no exit hook, MPI not finalised), from an exit hook where SystemExit
+    would be swallowed (the async saver's commit at step 1, when that save failed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def abort_job(code: int = 1) -> NoReturn:
     """Not collective: end every rank of the job now with `code`; no exit hook runs. MPI_Abort
     where MPI is up; this process alone (os._exit) where it is not, or where MPI_Abort returns

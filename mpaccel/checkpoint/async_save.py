@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import atexit
-import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from .. import lifecycle
 from ..comm import Comm, MPIComm
 from .format import flatten, unflatten
 
@@ -84,8 +83,7 @@ class AsyncSaver:
             # the interpreter shuts down: so wait in a hook of threading's shutdown, which runs
             # (last registered, first run) before concurrent.futures' own and before atexit
             # (MPI is finalized there, after this).
-            register = getattr(threading, "_register_atexit", None)
-            (register or atexit.register)(self._finish_at_exit)
+            lifecycle.finish_before_exit(self._finish_at_exit)
             self._exit_hook = True
         self._thread.start()
 
@@ -101,7 +99,7 @@ class AsyncSaver:
                 file=sys.stderr,
                 flush=True,
             )
-            os._exit(1)
+            lifecycle.leave_now(1)
 
     def wait(self) -> None:
         """Block until the background save is committed; re-raise its error here."""
