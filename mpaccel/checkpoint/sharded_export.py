@@ -30,6 +30,7 @@ import xxhash
 from .._version import __version__
 from ..comm import Comm, agreement
 from . import rawio
+from .error_keeping_file import ErrorKeepingFile
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -38,7 +39,6 @@ from .format import (
     parse_size,
 )
 from .sharded import LocalState, collect_local, row_count
-from .sink import ErrorKeepingFile
 from .storage import (
     check_same_on_every_rank,
     commit_index,

@@ -34,6 +34,7 @@ from .._version import __version__
 from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
+from .error_keeping_file import ErrorKeepingFile
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -48,7 +49,6 @@ from .format import (
     index_digest,
     to_numpy,
 )
-from .sink import ErrorKeepingFile
 
 
 def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes: int | None):
@@ -196,8 +196,8 @@ def write_h5(
     HDF5 lays the file out and writes its metadata; the data goes to the datasets' extents
     through rawio (parallel writes with early writeback: see rawio.py)."""
     partial = f"{path}.partial"
-    # HDF5 writes through a file object that keeps I/O errors from it (see sink.py); they are
-    # raised by check()/finish(), after HDF5 closed the file cleanly.
+    # HDF5 writes through a file object that keeps I/O errors from it (error_keeping_file.py);
+    # they are raised by check()/finish(), after HDF5 closed the file cleanly.
     sink = ErrorKeepingFile(partial)
     try:
         regions = []

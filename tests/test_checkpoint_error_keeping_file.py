@@ -12,10 +12,10 @@ import h5py
 import numpy as np
 import pytest
 
+from mpaccel.checkpoint import error_keeping_file as sink_module
 from mpaccel.checkpoint import rawio, storage
 from mpaccel.checkpoint import reader as reader_module
-from mpaccel.checkpoint import sink as sink_module
-from mpaccel.checkpoint.sink import ErrorKeepingFile
+from mpaccel.checkpoint.error_keeping_file import ErrorKeepingFile
 
 pytestmark = pytest.mark.mpi(size=1)
 
