@@ -69,9 +69,9 @@ def test_training_benchmark_runs():
 
 
 def test_fsdp_benchmark_runs():
-    # Tiny model, one round: the driver starts its own mpiexec jobs (n=1 and n=2).
+    # Tiny model, one round: the driver starts its own mpiexec jobs (n=2: DDP, FSDP, both).
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fsdp.py"), "--n", "1", "2", "--gib", "0.002",
+        [sys.executable, str(ROOT / "benchmarks" / "fsdp.py"), "--n", "2", "--gib", "0.002",
          "--d", "64", "--throughput-d", "64", "--blocks", "2", "--batch", "4", "--steps", "1",
          "--rounds", "2", "--window", "1", "--timeout", "240"],
         capture_output=True, text=True, timeout=600,
