@@ -157,14 +157,14 @@ def instrument(acc: Any) -> Phases:
     import h5py
     import torch
 
-    from mpaccel.checkpoint import rawio, reader, sink, storage, training_state
+    from mpaccel.checkpoint import error_keeping_file, rawio, reader, storage, training_state
 
     phases = Phases()
     phases.wrap(training_state, "collect", "collect state_dicts")
     phases.wrap(storage, "to_numpy", "to_numpy")
     phases.wrap(storage, "checksum", "xxh3 checksum")
     phases.wrap(reader, "checksum", "xxh3 checksum (load)")
-    phases.wrap(sink.ErrorKeepingFile, "finish", "close (shards)")
+    phases.wrap(error_keeping_file.ErrorKeepingFile, "finish", "close (shards)")
     phases.wrap(rawio, "write_arrays", "data writes + fsync (threads)")
     phases.wrap(rawio, "read_arrays", "data reads (threads)")
     phases.wrap(storage, "fsync_path", "fsync (directory)")
