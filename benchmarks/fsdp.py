@@ -266,12 +266,18 @@ def render_throughput(results: list[dict[str, Any]]) -> list[str]:
 def drive(args: argparse.Namespace) -> None:
     common = ["--d", str(args.d), "--batch", str(args.batch), "--steps", str(args.steps)]
     memory, throughput = [], []
+    lines_failed: list[str] = []
     if args.what in ("memory", "all"):
         for n in args.n:
             for mode in ("ddp", "fsdp"):
                 print(f"memory: {mode} at n={n} ...", file=sys.stderr, flush=True)
-                memory.append(_launch(n, ["--job", "memory", "--mode", mode, "--gib",
-                                          str(args.gib), *common], args.timeout))
+                try:
+                    memory.append(_launch(n, ["--job", "memory", "--mode", mode, "--gib",
+                                              str(args.gib), *common], args.timeout))
+                except RuntimeError as exc:  # a job the machine cannot hold (OOM-killed)
+                    print(f"memory: {mode} at n={n} failed: {str(exc).splitlines()[0]}",
+                          file=sys.stderr, flush=True)
+                    lines_failed.append(f"{mode} n={n}: failed (killed: out of memory?)")
     if args.what in ("throughput", "all"):
         for n in [n for n in args.n if n > 1]:
             print(f"throughput at n={n} ...", file=sys.stderr, flush=True)
@@ -279,7 +285,7 @@ def drive(args: argparse.Namespace) -> None:
                                           "--rounds", str(args.rounds), "--window",
                                           str(args.window), "--d", str(args.throughput_d),
                                           "--batch", str(args.batch)], args.timeout))
-    lines = []
+    lines = list(lines_failed)
     if memory:
         lines += [*render_memory(memory), ""]
     if throughput:
