@@ -43,7 +43,10 @@ def test_train_example_shows_a_live_bar_at_the_terminal_of_mpiexec(tmp_path):
     from test_progress import _in_terminal, _launch
 
     argv, env = _launch(2, EXAMPLES / "train.py")
-    text = _in_terminal([*argv, "--epochs", "1", "--train-samples", "2000"], env, columns=90)
+    # --step-delay: on an idle machine the 32 steps after the first take less than tqdm's
+    # mininterval (0.1 s), and the bar is never redrawn with progress before it is cleared
+    text = _in_terminal([*argv, "--epochs", "1", "--train-samples", "2000", "--step-delay",
+                         "0.02"], env, columns=90)
     frames = [f for f in text.split("\r") if f.startswith("epoch 0:")]
     assert len(frames) >= 3 and any("█" in f and len(f) == 90 for f in frames), repr(text)
     assert "[RANK 0] epoch 0 took" in text and "[RANK 1]" not in text
