@@ -8,7 +8,6 @@ See docs/checkpoint-format.md for the files.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -19,13 +18,23 @@ import torch
 from ..comm import Comm, agreement
 from ..config import ProjectConfiguration
 from ..errors import MpaccelRuntimeWarning
-from ..logging import get_logger
 from . import rawio, sharded_state
 from .async_save import AsyncSaver, snapshot, threads_ok
 from .format import CheckpointCollectiveError, CheckpointError, parse_size
+from .naming import (
+    MODEL_STEM,
+    STATE_STEM,
+    checkpoints_in,
+    latest_checkpoint,
+    resolve_input,
+    resolve_output,
+    rotate_together,
+)
+from .naming import rotate as rotate  # importable here before naming.py held it
 from .reader import CheckpointReader
 from .stateful import Stateful, TrainingState
-from .storage import delete_checkpoint, write_checkpoint
+from .storage import delete_checkpoint as delete_checkpoint  # importable here before
+from .storage import write_checkpoint
 from .training_state import (
     Rollback,
     apply_states,
@@ -35,11 +44,6 @@ from .training_state import (
     model_state,
     read_back,
 )
-
-MODEL_STEM = "model"
-STATE_STEM = "state"
-_CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)$")
-logger = get_logger(__name__)
 
 __all__ = [
     "AsyncSaver",
@@ -95,95 +99,6 @@ def load_model_state(directory: str) -> dict:
         return reader.component("model")
 
 
-def checkpoints_in(project_dir: str) -> list[tuple[int, str, bool]]:
-    """(number, path, complete) of project_dir/checkpoints/checkpoint_N, oldest first."""
-    root = os.path.join(project_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        match = _CHECKPOINT_DIR.match(name)
-        if match:
-            path = os.path.join(root, name)
-            complete = os.path.isfile(os.path.join(path, f"{STATE_STEM}.index.json"))
-            found.append((int(match.group(1)), path, complete))
-    return sorted(found)
-
-
-def latest_checkpoint(project_dir: str) -> tuple[int, str] | None:
-    complete = [(n, path) for n, path, ok in checkpoints_in(project_dir) if ok]
-    return complete[-1] if complete else None
-
-
-def rotate(project_dir: str, total_limit: int | None, room: bool = False) -> list[str]:
-    """Keep the `total_limit` newest complete checkpoints, or one fewer with `room` (before a
-    save, to make room for it, as Accelerate does), but never fewer than one: the newest
-    complete checkpoint is never removed. Also drops debris (interrupted saves, interrupted
-    deletions) older than the newest complete checkpoint. Returns the paths deleted."""
-    found = checkpoints_in(project_dir)
-    complete = [entry for entry in found if entry[2]]
-    if not complete:
-        return []
-    newest = complete[-1][0]
-    debris = [path for n, path, ok in found if not ok and n < newest]
-    old: list[str] = []
-    if total_limit is not None:
-        keep = max(1, total_limit - 1 if room else total_limit)
-        old = [path for _, path, _ in complete[: max(0, len(complete) - keep)]]
-    if debris:
-        logger.info(
-            "Deleting what interrupted saves or deletions left (no index): "
-            + ", ".join(os.path.basename(path) for path in debris)
-        )
-    if old:
-        logger.info(
-            f"Deleting {len(old)} checkpoint(s) to keep total_limit={total_limit}: "
-            + ", ".join(os.path.basename(path) for path in old)
-        )
-    for path in [*debris, *old]:  # oldest first
-        delete_checkpoint(path, STATE_STEM)
-    return [*debris, *old]
-
-
-def _rotate(comm: Comm, rotation: tuple[str, int | None], room: bool, what: str) -> None:
-    """Collective: rotate() on rank 0 (the checkpoints are on a file system every rank sees),
-    under the collective timeout; every rank raises if it fails."""
-    with agreement(comm, what + " (removing old checkpoints)", kind=CheckpointCollectiveError):
-        if comm.rank == 0:
-            rawio.within(
-                rawio.stall_limit(comm.default_timeout), what, lambda: rotate(*rotation, room)
-            )
-
-
-def resolve_output(config: ProjectConfiguration, output_dir: str | None) -> str:
-    """Not collective: the directory save_state(output_dir) writes, with automatic naming
-    project_dir/checkpoints/checkpoint_<iteration> (refused below the newest one there)."""
-    if config.automatic_checkpoint_naming:
-        if config.project_dir is None:
-            raise CheckpointError(
-                "automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)"
-            )
-        newest = latest_checkpoint(config.project_dir)
-        if newest is not None and newest[0] >= config.iteration:
-            # Writing below the newest would overwrite a checkpoint, or be the first one that
-            # rotation (oldest number first) deletes.
-            raise CheckpointError(
-                f"{config.project_dir!r} already holds checkpoint_{newest[0]}; this run would "
-                f"save checkpoint_{config.iteration}",
-                "call accelerator.load_state() first to resume (it continues the numbering), "
-                f"set ProjectConfiguration(iteration={newest[0] + 1}) to continue without "
-                "resuming, or use another project_dir.",
-            )
-        return os.path.join(config.project_dir, "checkpoints", f"checkpoint_{config.iteration}")
-    if output_dir is None:
-        raise CheckpointError(
-            "save_state() needs an output_dir",
-            "pass one, or use Accelerator(project_config=ProjectConfiguration(project_dir=..., "
-            "automatic_checkpoint_naming=True)).",
-        )
-    return os.fspath(output_dir)
-
-
 def save_state(
     comm: Comm,
     objects: TrainingState,
@@ -234,13 +149,13 @@ def save_state(
         # limit), keeping the newest; then, once it is committed, whatever is over the limit
         # (total_limit=1: the previous one only goes once the new one is committed).
         if rotation is not None:
-            _rotate(comm, rotation, True, f"saving checkpoint {directory!r}")
+            rotate_together(comm, rotation, True, f"saving checkpoint {directory!r}")
         # the sharded part first: the state index, committed last, names it
         extra = sharded_state.write(comm, directory, rows)
         write_checkpoint(comm, directory, STATE_STEM, shared, per_rank,
                          metadata={**metadata, **extra})
         if rotation is not None:
-            _rotate(comm, rotation, False, f"saving checkpoint {directory!r}")
+            rotate_together(comm, rotation, False, f"saving checkpoint {directory!r}")
 
     if saver is not None and async_save:
         background = saver.comm_for(comm)
@@ -258,24 +173,6 @@ def _saving(target: str | None) -> str:
 
 
 MODEL_LOAD_OPTIONS = ("strict", "assign")  # what torch's Module.load_state_dict takes
-
-
-def _find(config: ProjectConfiguration, input_dir: str | None) -> tuple[int | None, str]:
-    """(number or None, directory) of the checkpoint load_state(input_dir) reads: with no
-    input_dir, the latest complete one of the project (automatic naming)."""
-    if input_dir is not None:
-        return None, os.fspath(input_dir)
-    if not (config.automatic_checkpoint_naming and config.project_dir):
-        raise CheckpointError(
-            "load_state() needs an input_dir",
-            "pass one, or use ProjectConfiguration(automatic_checkpoint_naming=True) so "
-            "load_state() finds the latest complete checkpoint.",
-        )
-    latest = latest_checkpoint(config.project_dir)
-    if latest is None:
-        root = os.path.join(config.project_dir, "checkpoints")
-        raise CheckpointError(f"no complete checkpoint under {root!r}")
-    return latest
 
 
 def load_state(
@@ -308,7 +205,9 @@ def load_state(
     strict = bool(model_options.get("strict", True))
     named = os.fspath(input_dir) if input_dir is not None else None  # for the messages
     with agreement(comm, f"loading checkpoint {named!r}", kind=CheckpointCollectiveError):
-        number, named = rawio.within(limit, "opening a checkpoint", lambda: _find(config, named))
+        number, named = rawio.within(
+            limit, "opening a checkpoint", lambda: resolve_input(config, named)
+        )
     opened: list[CheckpointReader] = []
 
     def close() -> None:  # this rank opened it; another one could not
