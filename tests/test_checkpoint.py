@@ -992,6 +992,7 @@ def test_rotation_makes_room_before_a_save_removes_debris_and_says_so(
     import logging
 
     import mpaccel.checkpoint as checkpoint_module
+    from mpaccel.checkpoint import api as save_module  # save_state calls write_checkpoint there
 
     caplog.set_level(logging.INFO, logger="mpaccel.checkpoint")
     config = ProjectConfiguration(project_dir=str(mpi_tmp_path), automatic_checkpoint_naming=True,
@@ -1013,7 +1014,7 @@ def test_rotation_makes_room_before_a_save_removes_debris_and_says_so(
         complete_at_write.append([n for n, _, ok in found if ok])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module, "write_checkpoint", writing)
+    monkeypatch.setattr(save_module, "write_checkpoint", writing)
     caplog.clear()
     acc.save_state()
     acc.save_state()
