@@ -157,10 +157,10 @@ def instrument(acc: Any) -> Phases:
     import h5py
     import torch
 
-    from mpaccel.checkpoint import error_keeping_file, rawio, reader, storage, training_state
+    from mpaccel.checkpoint import api, error_keeping_file, rawio, reader, storage
 
     phases = Phases()
-    phases.wrap(training_state, "collect", "collect state_dicts")
+    phases.wrap(api, "collect", "collect state_dicts")  # the name save_state calls
     phases.wrap(storage, "to_numpy", "to_numpy")
     phases.wrap(storage, "checksum", "xxh3 checksum")
     phases.wrap(reader, "checksum", "xxh3 checksum (load)")
