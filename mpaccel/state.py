@@ -14,6 +14,7 @@ from typing import Any
 
 from . import _env, sharding
 from .config import (
+    SHARD_INSTEAD,
     GradientAccumulationPlugin,
     TorchDynamoPlugin,
 )
@@ -82,8 +83,7 @@ class AcceleratorState:
             if plugin is not None:
                 raise ConfigurationError(
                     f"mpaccel does not drive {_ENGINES[name]}; got {name}={plugin!r}",
-                    "mpaccel trains with DistributedDataParallel (every rank holds the whole "
-                    f"model): drop {name}= and prepare() the model as it is.",
+                    f"drop {name}= and {SHARD_INSTEAD}",
                 )
         explicit_fsdp = fsdp_plugin
         try:  # the variable's error names it; raised on every rank (PartialState.__init__)

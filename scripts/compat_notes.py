@@ -80,11 +80,13 @@ DIFFERS: dict[str, str] = {
 
 _NO_DEEPSPEED = (
     "DeepSpeed integration: mpaccel does not drive DeepSpeed (DeepSpeedPlugin is refused). "
-    "Instead: DistributedDataParallel through prepare(), mixed_precision='bf16'"
+    "Instead: prepare() with DistributedDataParallel, or FullyShardedDataParallelPlugin "
+    "(FSDP2) for a model that does not fit one device; mixed_precision='bf16'"
 )
 _NO_MEGATRON = (
     "Megatron-LM integration: mpaccel does not drive Megatron-LM (MegatronLMPlugin is refused). "
-    "Instead: DistributedDataParallel through prepare()"
+    "Instead: prepare() with DistributedDataParallel, or FullyShardedDataParallelPlugin (FSDP2) "
+    "for a model that does not fit one device"
 )
 _NO_FSDP = (
     "Accelerate's internals of its FSDP integration (how prepare() wraps and loads models): "
@@ -98,9 +100,10 @@ _NO_FP8 = (
     "libraries; mpaccel refuses mixed_precision='fp8'. Instead: mixed_precision='bf16'"
 )
 _NO_PARALLELISM = (
-    "tensor/context/pipeline parallelism: mpaccel does not build device meshes "
-    "(ParallelismConfig and TorchTensorParallelPlugin are refused). Instead: data parallelism "
-    "through prepare()"
+    "tensor/context/pipeline parallelism: mpaccel parallelises over data only (DDP, or FSDP2 on "
+    "a 1-D or HYBRID_SHARD 2-D mesh; ParallelismConfig's tp/cp/sp sizes must be 1, "
+    "TorchTensorParallelPlugin is refused). Instead: FullyShardedDataParallelPlugin for a "
+    "model that does not fit one device"
 )
 _NO_BIG_MODEL = (
     "Big Model Inference (device maps, CPU/disk offload, quantized loading): one process "
