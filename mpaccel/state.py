@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import _env, sharding
+from . import _absent, _env, sharding
 from .config import (
     SHARD_INSTEAD,
     GradientAccumulationPlugin,
@@ -359,3 +359,12 @@ class GradientState:
     @staticmethod
     def _reset_state() -> None:
         GradientState._shared_state.clear()
+
+
+# Accelerate's names for features mpaccel lacks: refusals with a HINT (mpaccel/_absent.py).
+_absent.install_members(AcceleratorState)
+
+if not TYPE_CHECKING:  # type checkers keep reporting these names as absent
+
+    def __getattr__(name: str) -> Any:
+        return _absent.resolve(__name__, name)
