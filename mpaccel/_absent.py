@@ -243,7 +243,6 @@ MEMBERS: dict[str, dict[str, Member]] = {
             "fp8_enabled", "has_fp8_handler", "delayed_fp8_autocast")},
         # Accelerate's FP8BackendType.NO, a str enum equal to "NO"
         "fp8_backend": Member(_FP8, "value", "NO"),
-        "maybe_context_parallel": Member(_PARALLELISM, "method"),
         "flag_tensor": Member(_TRIGGER, "attribute"),
     },
     "AcceleratorState": {"downcast_bfloat": Member(_XLA, "value", False)},

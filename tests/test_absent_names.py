@@ -7,13 +7,14 @@ from __future__ import annotations
 import importlib
 import pickle
 import textwrap
+import warnings
 
 import pytest
 import torch
 
 from mpaccel import _absent
 from mpaccel.accelerator import Accelerator
-from mpaccel.errors import REFUSED, ConfigurationError
+from mpaccel.errors import REFUSED, ConfigurationError, MpaccelWarning
 from mpaccel.state import AcceleratorState
 from mpaccel.testing import run_mpi
 
@@ -117,6 +118,24 @@ def test_other_missing_members_stay_plain_errors(accelerator):
     assert not set(_absent.MEMBERS["Accelerator"]) & set(vars(accelerator))
     assert "downcast_bfloat" in vars(AcceleratorState)
     assert pickle.loads(pickle.dumps(accelerator)).fp8_enabled is False
+
+
+def test_maybe_context_parallel_has_no_effect_as_accelerates_without_it(accelerator):
+    """Accelerate's does nothing (and warns once) unless cp_size > 1, which mpaccel refuses:
+    a script that wraps every step in it runs."""
+    import mpaccel.accelerator_parallelism as parallelism
+
+    parallelism._warned_no_context_parallel = False
+    batch = torch.arange(12.0).reshape(2, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with accelerator.maybe_context_parallel(buffers=[batch], buffer_seq_dims=[1],
+                                                    no_restore_buffers={batch}):
+                assert batch.shape == (2, 6)
+    assert torch.equal(batch, torch.arange(12.0).reshape(2, 6))
+    assert [w.category for w in caught] == [MpaccelWarning]
+    assert "no effect" in str(caught[0].message) and caught[0].filename == __file__
 
 
 # The import block of Accelerate's examples/by_feature/deepspeed_with_config_support.py, and
