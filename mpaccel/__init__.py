@@ -76,3 +76,14 @@ __all__ += [
     "is_rich_available",
     "synchronize_rng_states",
 ]
+
+# Accelerate's names for features mpaccel lacks resolve on first use to refusals with a HINT
+# (mpaccel/_absent.py); not in __all__, and type checkers keep reporting them as absent.
+import typing as _typing  # noqa: E402
+
+from . import _absent  # noqa: E402
+
+if not _typing.TYPE_CHECKING:
+
+    def __getattr__(name: str) -> object:
+        return _absent.resolve(__name__, name)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, ops, preemption, tracking
+from . import _absent, checkpoint, ops, preemption, tracking
 from .accelerator_checkpoint import CheckpointMethods
 from .accelerator_parallelism import ParallelismFacts
 from .accelerator_training import TrainingMethods
@@ -484,3 +484,7 @@ class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
 
     def __repr__(self) -> str:
         return f"Accelerator(\n{self.state!r})"
+
+
+# Accelerate's members for features mpaccel lacks: refusals with a HINT (mpaccel/_absent.py).
+_absent.install_members(Accelerator)

@@ -5,9 +5,12 @@ needs nothing from accelerator.py."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
-from .errors import with_hint
+from .errors import MpaccelWarning, with_hint
 from .state import AcceleratorState
 
 _SET_CONFIG = (
@@ -93,3 +96,28 @@ class ParallelismFacts:
             "pipeline parallelism is not supported (in Accelerate neither)",
             "shard the model with an fsdp_plugin instead of splitting it into stages.",
         ))  # fmt: skip
+
+    @contextmanager
+    def maybe_context_parallel(
+        self,
+        buffers: list[Any] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[Any] | None = None,
+    ) -> Iterator[None]:
+        """No effect, as Accelerate's without context parallelism (cp_size 1, the only size
+        mpaccel takes): the buffers stay whole. Warns once per process, as Accelerate's."""
+        del buffers, buffer_seq_dims, no_restore_buffers
+        global _warned_no_context_parallel
+        if not _warned_no_context_parallel:
+            _warned_no_context_parallel = True
+            warnings.warn(
+                "maybe_context_parallel() has no effect: mpaccel drives no context "
+                "parallelism (ParallelismConfig's cp_size must be 1), as Accelerate's without "
+                "cp_size > 1; every rank sees whole sequences",
+                MpaccelWarning,
+                stacklevel=3,
+            )
+        yield
+
+
+_warned_no_context_parallel = False

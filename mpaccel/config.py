@@ -392,10 +392,14 @@ class _Refused:
         raise ConfigurationError(self._message(), self._hint)
 
 
-_DDP_INSTEAD = (
-    "mpaccel trains with DistributedDataParallel (every rank holds the whole model): drop the "
-    "plugin and prepare() the model as it is."
+# What to use instead of an engine mpaccel does not drive (here, state.py, _absent.py).
+SHARD_INSTEAD = (
+    "prepare() the model as it is: DistributedDataParallel when it fits one device (every "
+    "rank holds all of it), Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin()) (FSDP2: "
+    "parameters, gradients and optimizer state sharded over the ranks; HYBRID_SHARD with "
+    "ParallelismConfig(dp_replicate_size=...)) when it does not (docs/training.md)."
 )
+_DDP_INSTEAD = "drop the plugin and " + SHARD_INSTEAD
 
 
 class DeepSpeedPlugin(_Refused):

@@ -15,7 +15,8 @@ def with_hint(message: str, hint: str | None, separator: str = "\n") -> str:
 
 
 # The attribute on an Accelerate name mpaccel keeps importable but refuses to use (set by
-# refused()): (message, hint), what using it raises. scripts/compat_table.py reads it to list
+# refused()): (message, hint), what using it raises (a ConfigurationError; an AttributeError
+# for an attribute, so that hasattr() still answers). scripts/compat_table.py reads it to list
 # the name as refused in docs/compatibility.md.
 REFUSED = "__mpaccel_refused__"
 

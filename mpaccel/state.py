@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import _env, sharding
+from . import _absent, _env, sharding
 from .config import (
+    SHARD_INSTEAD,
     GradientAccumulationPlugin,
     TorchDynamoPlugin,
 )
@@ -82,8 +83,7 @@ class AcceleratorState:
             if plugin is not None:
                 raise ConfigurationError(
                     f"mpaccel does not drive {_ENGINES[name]}; got {name}={plugin!r}",
-                    "mpaccel trains with DistributedDataParallel (every rank holds the whole "
-                    f"model): drop {name}= and prepare() the model as it is.",
+                    f"drop {name}= and {SHARD_INSTEAD}",
                 )
         explicit_fsdp = fsdp_plugin
         try:  # the variable's error names it; raised on every rank (PartialState.__init__)
@@ -359,3 +359,12 @@ class GradientState:
     @staticmethod
     def _reset_state() -> None:
         GradientState._shared_state.clear()
+
+
+# Accelerate's names for features mpaccel lacks: refusals with a HINT (mpaccel/_absent.py).
+_absent.install_members(AcceleratorState)
+
+if not TYPE_CHECKING:  # type checkers keep reporting these names as absent
+
+    def __getattr__(name: str) -> Any:
+        return _absent.resolve(__name__, name)

@@ -10,10 +10,11 @@ Run it with a Python where both `accelerate` (1.15) and mpaccel import:
 
 A name is `supported` (the same signature, by compare_signatures.compare, and no note),
 `differs` (the signature difference found, and the hand-kept note of scripts/compat_notes.py
-DIFFERS where behaviour differs), `refused` (mpaccel has it only to refuse it with a HINT: it
-carries mpaccel.errors.REFUSED, set by mpaccel.errors.refused), `absent` (not in mpaccel on
-purpose: compat_notes.ABSENT says why and what to use) or `missing` (a gap:
-compat_notes.MISSING says where it would go). --check fails on a missing name in neither dict.
+DIFFERS where behaviour differs, or compat_notes.KEPT for a constant or attribute kept with
+Accelerate's value), `refused` (mpaccel has it only to refuse it with a HINT: it carries
+mpaccel.errors.REFUSED, set by mpaccel.errors.refused; mpaccel/_absent.py holds the reasons) or
+`missing` (a gap: compat_notes.MISSING says where it would go). --check fails on a missing name
+without a note.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import re
 import sys
 import textwrap
 import types
@@ -40,7 +42,7 @@ BEGIN, END = "<!-- compat-table:begin -->", "<!-- compat-table:end -->"
 # Accelerate's AcceleratorState copies PartialState's attributes into itself (mpaccel's forwards
 # to them): the names a script reaches through `accelerator.state` include those.
 TAKES_ATTRIBUTES_OF = {"AcceleratorState": "PartialState"}
-STATUSES = ("supported", "differs", "refused", "absent", "missing")
+STATUSES = ("supported", "differs", "refused", "missing")
 
 
 class _InstanceAttribute:
@@ -226,14 +228,13 @@ def _attribute_difference(theirs: Any, ours: Any) -> str | None:
 def classify(group: str, name: str, theirs: Any, ours: Any, found: bool) -> Row:
     key = f"{group}.{name}"
     if not found:
-        if key in compat_notes.ABSENT:
-            return Row(group, name, "absent", compat_notes.ABSENT[key])
         return Row(group, name, "missing", compat_notes.MISSING.get(key, ""))
     refused = refusal(ours)
     if refused:
         message, hint = refused
         return Row(group, name, "refused", f"{message}; HINT: {hint}" if hint else message)
-    parts = [difference(theirs, ours) if theirs is not None else "", compat_notes.DIFFERS.get(key)]
+    parts = [difference(theirs, ours) if theirs is not None else "",
+             compat_notes.DIFFERS.get(key), compat_notes.KEPT.get(key)]
     detail = ". ".join(p for p in parts if p)
     return Row(group, name, "differs" if detail else "supported", detail)
 
@@ -273,12 +274,12 @@ def note_problems(rows: list[Row]) -> list[str]:
     """Missing names without a reason, and notes that no longer fit."""
     status = {f"{row.group}.{row.name}": row.status for row in rows}
     problems = [
-        f"{key}: missing, and neither in compat_notes.ABSENT nor in compat_notes.MISSING "
-        f"(add it, refuse it, or say why it is absent)"
+        f"{key}: missing, and not in compat_notes.MISSING (add it, refuse it in "
+        f"mpaccel/_absent.py with a reason, or say where it would go)"
         for key, value in status.items()
         if value == "missing" and key not in compat_notes.MISSING
     ]
-    for notes, expected in ((compat_notes.ABSENT, "absent"), (compat_notes.MISSING, "missing")):
+    for notes, expected in ((compat_notes.MISSING, "missing"), (compat_notes.KEPT, "differs")):
         for key in notes:
             if status.get(key) != expected:
                 problems.append(f"{key}: noted as {expected} but {status.get(key, 'not a name')}")
@@ -289,6 +290,10 @@ def note_problems(rows: list[Row]) -> list[str]:
 
 
 # -- rendering -----------------------------------------------------------------------------------
+
+
+# A refusal of mpaccel/_absent.py names the name, then gives the reason its group shares.
+_PLACEHOLDER = re.compile(r"^.*? cannot be used: ")
 
 
 def _cell(text: str) -> str:
@@ -306,25 +311,27 @@ def render(rows: list[Row]) -> str:
             "",
             f"{len(mine)} names: {counts['supported']} supported, "
             f"{counts['differs']} differ, {counts['refused']} refused, "
-            f"{counts['absent']} absent, {counts['missing']} missing.",
+            f"{counts['missing']} missing.",
             "",
         ]
         same = [f"`{row.name}`" for row in mine if row.status == "supported"]
         if same:
             out += ["Supported as in Accelerate: " + ", ".join(same) + ".", ""]
-        others = [row for row in mine if row.status not in ("supported", "absent")]
+        placeholders: dict[str, list[str]] = {}  # mpaccel/_absent.py's, by reason
+        for row in mine:
+            if row.status == "refused" and _PLACEHOLDER.match(row.detail):
+                placeholders.setdefault(_PLACEHOLDER.sub("", row.detail), []).append(row.name)
+        listed = {name for names in placeholders.values() for name in names}
+        others = [row for row in mine if row.status != "supported" and row.name not in listed]
         if others:
             out += ["| name | mpaccel | what |", "|---|---|---|"]
             out += [f"| `{r.name}` | {r.status} | {_cell(r.detail)} |" for r in others]
             out.append("")
-        absent: dict[str, list[str]] = {}
-        for row in mine:
-            if row.status == "absent":
-                absent.setdefault(row.detail, []).append(f"`{row.name}`")
-        if absent:
-            out.append("Absent, on purpose:")
-            out.append("")
-            out += [f"- {', '.join(names)}: {why}." for why, names in absent.items()]
+        if placeholders:
+            out += ["Refused, each with the reason and HINT below (the name imports; using it "
+                    "raises them):", ""]
+            for why, names in placeholders.items():
+                out.append(f"- {', '.join(f'`{n}`' for n in names)}: {why}")
             out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 

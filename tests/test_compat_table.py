@@ -76,7 +76,11 @@ def test_the_table_classifies_names_by_what_mpaccel_does(accelerate_installed):
     table = _run().stdout
     assert "| `DeepSpeedPlugin` | refused | mpaccel does not drive DeepSpeed" in table
     assert "| `InitProcessGroupKwargs` | differs | backend=None (Accelerate: 'nccl')" in table
-    assert "`init_empty_weights`" in table.split("Absent, on purpose:")[1]
+    refused = table.split("### `accelerate.utils`")[1].split("Refused, each with")[1]
+    assert "`DummyOptim`, `DummyScheduler`" in refused.split("###")[0]
+    assert "| `MODEL_NAME` | differs | Accelerate's value, which mpaccel does not use" in table
+    assert "| `fp8_enabled` | differs | read-only here" in table
+    assert "Absent" not in table  # every name Accelerate has is in mpaccel, if only to refuse
     supported = table.split("### `Accelerator (members)`")[1].split("###")[0]
     assert "`unwrap_model`" in supported.split("| name |")[0]  # keep_torch_compile= now
 
@@ -106,20 +110,38 @@ def test_the_check_names_a_missing_name_without_a_note_and_a_stale_note(monkeypa
     import compat_notes
     import compat_table
 
-    monkeypatch.setattr(compat_notes, "ABSENT", {"accelerate.utils.gone": "why; instead"})
+    monkeypatch.setattr(compat_notes, "KEPT", {"accelerate.utils.KEPT_NAME": "data; instead"})
     monkeypatch.setattr(compat_notes, "MISSING", {"Accelerator.later": "not yet"})
     monkeypatch.setattr(compat_notes, "DIFFERS", {})
     rows = [
-        compat_table.classify("accelerate.utils", "gone", None, None, found=False),
+        compat_table.classify("accelerate.utils", "KEPT_NAME", "x", "x", found=True),
         compat_table.classify("Accelerator", "later", None, None, found=False),
         compat_table.classify("Accelerator", "forgotten", None, None, found=False),
     ]
-    assert [row.status for row in rows] == ["absent", "missing", "missing"]
+    assert [row.status for row in rows] == ["differs", "missing", "missing"]
+    assert rows[0].detail == "data; instead"
     assert compat_table.note_problems(rows) == [
-        "Accelerator.forgotten: missing, and neither in compat_notes.ABSENT nor in "
-        "compat_notes.MISSING (add it, refuse it, or say why it is absent)"
+        "Accelerator.forgotten: missing, and not in compat_notes.MISSING (add it, refuse it "
+        "in mpaccel/_absent.py with a reason, or say where it would go)"
     ]
-    rows[0] = compat_table.Row("accelerate.utils", "gone", "supported", "")
+    rows[1] = compat_table.Row("Accelerator", "later", "supported", "")
     assert compat_table.note_problems(rows)[1] == (
-        "accelerate.utils.gone: noted as absent but supported"
+        "Accelerator.later: noted as missing but supported"
     )
+
+
+def test_the_refused_names_of_the_package_are_listed_by_their_reason(accelerate_installed):
+    """mpaccel/_absent.py's placeholders are `refused`, grouped under their shared reason and
+    HINT; a constant kept with Accelerate's value must equal it (else the row says so)."""
+    from mpaccel import _absent
+
+    table = _run().stdout
+    for module, names in _absent.MODULE_NAMES.items():
+        section = table.split(f"### `accelerate{module[len('mpaccel'):]}`\n")[1].split("###")[0]
+        for name, reason in names.items():
+            if name in _absent.VALUES:
+                assert f"| `{name}` | differs | Accelerate's value, which" in section
+            else:
+                line = next(x for x in section.splitlines() if f"`{name}`" in x)
+                assert line.startswith("- ") and line.endswith(
+                    f": {reason.why}; HINT: {reason.instead}"), line
