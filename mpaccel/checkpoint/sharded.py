@@ -269,9 +269,11 @@ def build_index(
 
 
 def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
-                metadata: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+                metadata: Mapping[str, Any] | None = None,
+                keep: str | None = None) -> Mapping[str, Any]:
     """Collective: steps 2-4 of save_sharded (see the module's docstring). Returns the committed
-    index: on rank 0 the dict it wrote, on the others a CommittedIndex."""
+    index: on rank 0 the dict it wrote, on the others a CommittedIndex. `keep`: the save id of
+    files of this stem that stay in the directory (commit_index)."""
     what = f"saving sharded checkpoint {directory!r}"
     save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
     limit = rawio.stall_limit(comm.default_timeout)
@@ -301,7 +303,7 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
             index = build_index(comm.size, stem, save_id, local, gathered, metadata or {})
         except Exception as exc:  # reported by commit_index, on every rank
             error = exc
-    commit_index(comm, directory, stem, what, limit, index, error, written)
+    commit_index(comm, directory, stem, what, limit, index, error, written, keep)
     if index is not None:
         return index
     return CommittedIndex(directory, stem, save_id)

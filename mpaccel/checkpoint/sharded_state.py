@@ -4,21 +4,27 @@ part (save_state), and loaded at any world size, into sharded or plain objects (
 
 A checkpoint with a sharded part holds `sharded.index.json` (format 2) and `state.index.json`
 (format 1), committed in that order; the latter names the former's save id, so that the
-checkpoint is complete only once both are there and belong together."""
+checkpoint is complete only once both are there and belong together. Saving again into the
+same directory keeps the previous sharded part (its files, and its index copied aside to
+`sharded.<save id>.index.json`) until the new state index is committed: a crash between the two
+commits leaves the previous checkpoint loadable."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 from typing import Any
 
 from ..comm import Comm, agreement
 from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError
+from .index_read import index_path
 from .reader import CheckpointReader
 from .sharded import SHARDED_STEM, LocalState, collect_local, write_local
 from .sharded_read import Plan, apply, plan, read_plan
 from .stateful import TrainingState
-from .storage import check_same_on_every_rank
+from .storage import check_same_on_every_rank, fsync_path
 from .training_state import load_into
 
 STATE_STEM = "state"
@@ -39,11 +45,73 @@ def collect(comm: Comm, objects: TrainingState, what: str, copy: bool) -> LocalS
     return local
 
 
+def kept_stem(save_id: str) -> str:
+    """The stem under which a sharded part's index is kept aside while a second save into its
+    directory is under way (`sharded.<save id>.index.json`)."""
+    return f"{SHARDED_STEM}.{save_id}"
+
+
+def _committed_part(directory: str) -> str | None:
+    """The save id of the sharded part that the committed state index of `directory` names
+    (None: no state index, or one without a sharded part)."""
+    try:
+        with open(index_path(directory, STATE_STEM)) as f:
+            part = json.load(f).get("metadata", {}).get(SAVE_ID)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(
+            f"cannot read the checkpoint already in {directory!r} to save over it: {exc}",
+            "save into another directory, or delete this one first.",
+        ) from exc
+    return part if isinstance(part, str) else None
+
+
+def _keep_aside(directory: str) -> str | None:
+    """Rank 0, before a sharded part is saved into `directory`: if the checkpoint committed
+    there has a sharded part, copy its index to kept_stem(its id) (temp file, fsync, rename,
+    fsync of the directory), so that the new part's commit, which replaces
+    `sharded.index.json`, leaves that checkpoint loadable until the new state index replaces
+    it. Returns its save id, whose files the new commit keeps."""
+    part = _committed_part(directory)
+    if part is None:
+        return None
+    source = index_path(directory, SHARDED_STEM)
+    target = index_path(directory, kept_stem(part))
+    if os.path.exists(target):  # kept by an earlier save that did not complete
+        return part
+    try:
+        with open(source, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return part  # nothing to keep: its load fails as it would have
+    if json.loads(data).get("save_id") != part:
+        return part  # not that part's index: leave it to the load to refuse
+    temp = f"{target}.partial"
+    with open(temp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, target)
+    fsync_path(directory)
+    return part
+
+
 def write(comm: Comm, directory: str, local: LocalState | None) -> dict[str, Any]:
-    """Collective: commit the sharded part; returns what the state index's metadata records."""
+    """Collective: commit the sharded part; returns what the state index's metadata records.
+    Saving into a directory that holds a checkpoint: that checkpoint's sharded part (files,
+    and its index kept aside) stays until the new state index is committed, which removes it
+    (storage.remove_stale); a crash in between leaves it loadable."""
     if local is None:
         return {}
-    index = write_local(comm, directory, SHARDED_STEM, local)
+    what = f"saving sharded checkpoint {directory!r}"
+    keep: str | None = None
+    with agreement(comm, what + " (keeping the checkpoint it replaces)",
+                   kind=CheckpointCollectiveError):
+        if comm.rank == 0 and os.path.isdir(directory):
+            keep = rawio.within(rawio.stall_limit(comm.default_timeout), what,
+                                functools.partial(_keep_aside, directory))
+    index = write_local(comm, directory, SHARDED_STEM, local, keep=keep)
     return {SAVE_ID: index["save_id"]}
 
 
@@ -56,9 +124,14 @@ class ShardedLoad:
         metadata = state.index.get("metadata", {})
         self.save_id = metadata.get(SAVE_ID)
         self.directory = state.directory
+        # a later save into the directory that did not complete kept this part's index aside
+        self.stem = SHARDED_STEM
+        if isinstance(self.save_id, str) and os.path.exists(
+                index_path(self.directory, kept_stem(self.save_id))):
+            self.stem = kept_stem(self.save_id)
         saved: set[str] = set()
         if self.save_id is not None:
-            with CheckpointReader(self.directory, SHARDED_STEM) as reader:
+            with CheckpointReader(self.directory, self.stem) as reader:
                 self._check(reader)
                 saved = set(reader.index["components"])
         self.targets: dict[str, tuple[Any, str]] = {}  # name -> (object, stem)
@@ -97,8 +170,9 @@ class ShardedLoad:
                     names = [n for n, (_, s) in self.targets.items() if s == stem]
                     if not names:
                         continue
+                    opened = self.stem if stem == SHARDED_STEM else stem
                     reader = rawio.within(
-                        limit, what, functools.partial(CheckpointReader, self.directory, stem))
+                        limit, what, functools.partial(CheckpointReader, self.directory, opened))
                     readers.append(reader)
                     if stem == SHARDED_STEM:
                         self._check(reader)
