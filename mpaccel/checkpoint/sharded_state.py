@@ -16,6 +16,8 @@ import json
 import os
 from typing import Any
 
+import torch
+
 from ..comm import Comm, agreement
 from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError
@@ -31,14 +33,98 @@ STATE_STEM = "state"
 SAVE_ID = "sharded"  # the key of the state index's metadata naming the sharded part's save id
 
 
+def sharded_gradients(objects: TrainingState) -> dict[str, Any]:
+    """The `gradients` entries whose model is a `sharded` one: their gradients are saved as rows
+    in the sharded part (SummedGradients), not per rank."""
+    held = [id(obj) for obj in objects.sharded.values()]
+    return {name: module for name, module in objects.gradients.items() if id(module) in held}
+
+
+class SummedGradients:
+    """The gradients a fully_shard model summed so far mid-accumulation, as DTensors sharded like
+    its parameters: a Stateful of the sharded part, so that they are saved as rows and load at
+    any world size.
+
+    While FSDP2 accumulates without synchronising (accumulate(), no_sync()), each rank holds
+    whole gradients of its own micro-batches (FSDPParam's unsharded gradient); the next
+    synchronising backward averages them over the ranks, reduce-scatters them and adds them
+    to `p.grad`. state_dict() (collective over the model's mesh) does that reduction into new
+    memory, leaving FSDP's own state alone: p.grad + the ranks' average of the pending
+    gradients. load_state_dict() sets `p.grad` to it and drops pending gradients, so the next
+    synchronising backward adds the rest as it would have. `keys`: the gradients a load
+    expects (those the checkpoint holds)."""
+
+    def __init__(self, module: Any, keys: list[str] | None = None) -> None:
+        self.module = module
+        self.keys = keys
+
+    def _params(self) -> dict[str, Any]:
+        return {name: p for name, p in self.module.named_parameters() if p.requires_grad}
+
+    def _pending(self) -> list[Any]:
+        """FSDP2's FSDPParams of the model (private API: torch 2.13's names)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        out = []
+        for sub in self.module.modules():
+            if isinstance(sub, FSDPModule):
+                group = sub._get_fsdp_state()._fsdp_param_group
+                out += [] if group is None else list(group.fsdp_params)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        params = self._params()
+        if self.keys is not None:  # targets of a load, sharded like the parameters
+            return {key: torch.zeros_like(params[key]).detach() for key in self.keys}
+        from torch.distributed.tensor import DTensor, Partial
+
+        pending: dict[int, torch.Tensor] = {}
+        for fsdp_param in self._pending():
+            grad = fsdp_param.unsharded_accumulated_grad
+            if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+                grad = fsdp_param._unsharded_param.grad
+            if grad is not None:
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                pending[id(fsdp_param.sharded_param)] = local
+        out = {}
+        for name, p in params.items():
+            total = p.grad
+            local = pending.get(id(p))
+            if local is not None and isinstance(p, DTensor):
+                mesh = p.device_mesh
+                summed = DTensor.from_local(
+                    local.to(p.dtype), mesh, [Partial("avg")] * mesh.ndim, run_check=False,
+                    shape=p.shape, stride=p.stride(),
+                ).redistribute(mesh, p.placements)
+                total = summed if total is None else total + summed
+            if total is not None:
+                out[name] = total.detach()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = self._params()
+        for fsdp_param in self._pending():
+            fsdp_param.unsharded_accumulated_grad = None
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = None
+        for key, value in state.items():
+            params[key].grad = value
+
+
 def collect(comm: Comm, objects: TrainingState, what: str, copy: bool) -> LocalState | None:
-    """Collective. This rank's rows of the `sharded` Statefuls (a copy with `copy`: for a save
-    in the background), checked to be the same state on every rank; None if there are none."""
+    """Collective. This rank's rows of the `sharded` Statefuls, and of the sharded models'
+    gradients where `objects.gradients` asks for them (a copy with `copy`: for a save in the
+    background), checked to be the same state on every rank; None if there are none."""
     if not objects.sharded:
         return None
     local = LocalState({}, {}, {}, {})
     with agreement(comm, what, kind=CheckpointCollectiveError):
-        local = collect_local({n: o.state_dict() for n, o in objects.sharded.items()}, comm.rank)
+        state = {n: o.state_dict() for n, o in objects.sharded.items()}
+        for name, module in sharded_gradients(objects).items():
+            grads = SummedGradients(module).state_dict()
+            if grads:  # none: saved at a step boundary after all
+                state[name] = grads
+        local = collect_local(state, comm.rank)
         if copy:
             local = local.snapshot()
     check_same_on_every_rank(comm, what, local.documents, local.layout())
@@ -130,22 +216,32 @@ class ShardedLoad:
                 index_path(self.directory, kept_stem(self.save_id))):
             self.stem = kept_stem(self.save_id)
         saved: set[str] = set()
+        sliced: list[str] = []
         if self.save_id is not None:
             with CheckpointReader(self.directory, self.stem) as reader:
                 self._check(reader)
                 saved = set(reader.index["components"])
+                sliced = list(reader.index["sliced"])
         self.targets: dict[str, tuple[Any, str]] = {}  # name -> (object, stem)
         for name, obj in [*objects.models.items(), *objects.optimizers.items()]:
             if name in saved:
                 self.targets[name] = (obj, SHARDED_STEM)
         for name, obj in objects.sharded.items():
             self.targets[name] = (obj, SHARDED_STEM if name in saved else STATE_STEM)
+        # the sharded models' gradients, where the checkpoint holds them (saved
+        # mid-accumulation); else left as they are, as without FSDP
+        grads = sharded_gradients(objects)
+        for name, module in grads.items():
+            if name in saved:
+                keys = [k.split("/", 1)[1] for k in sliced if k.startswith(f"{name}/")]
+                self.targets[name] = (SummedGradients(module, keys), SHARDED_STEM)
         # what the ordinary load takes
         self.rest = TrainingState(
             models={n: m for n, m in objects.models.items() if n not in self.targets},
             optimizers={n: o for n, o in objects.optimizers.items() if n not in self.targets},
             shared=objects.shared, per_rank=objects.per_rank,
-            gradients={n: m for n, m in objects.gradients.items() if n not in self.targets},
+            gradients={n: m for n, m in objects.gradients.items()
+                       if n not in self.targets and n not in grads},
             optional=objects.optional,
         )
         self.plans: list[Plan] = []
