@@ -199,8 +199,9 @@ class CheckpointMethods:
         """What save_state/load_state hand the checkpoint, under the names of its entries:
         `models` (what the pre-hooks left), then everything else prepared or registered;
         with `gradients`, the models' gradients per rank. Fully sharded models and their
-        optimizers are `sharded` entries (each rank stores its rows); their gradients are not
-        saved. `loading`: a fresh optimizer over shards gets its state created to load into."""
+        optimizers are `sharded` entries (each rank stores its rows; their gradients too, as
+        rows: checkpoint/sharded_state.py). `loading`: a fresh optimizer over shards gets its
+        state created to load into."""
         unwrapped = [self.unwrap_model(model) for model in models]
         shared: dict[str, checkpoint.Stateful] = {
             f"scheduler_{i}": sched for i, sched in enumerate(self._schedulers)
@@ -224,8 +225,8 @@ class CheckpointMethods:
             optimizers={name: o for name, o in optimizers.items() if name not in sharded},
             shared=shared,
             per_rank={f"dataloader_{i}": loader for i, loader in enumerate(self._dataloaders)},
-            gradients={n.replace("model", "gradients"): m for n, m in named.items()
-                       if n not in sharded} if gradients else {},
+            gradients={n.replace("model", "gradients"): m for n, m in named.items()}
+            if gradients else {},
             optional=frozenset({"scaler"}),
             sharded=sharded,
         )

@@ -104,3 +104,35 @@ def test_agreement_lets_an_agreed_error_pass_without_a_second_agreement(state, c
                     raise RuntimeError("inner failure")
     assert info.value.operation == "inner"
     state.wait_for_everyone()  # no rank is left waiting in an "outer" agreement
+
+
+def test_gather_brings_every_object_to_the_root_only(state, comm):
+    c = state.comm
+    for root in sorted({0, comm.size - 1}):
+        mine = {"r": comm.rank, "rows": list(range(comm.rank * 1000))}
+        got = c.gather(mine, root=root, what="unit gather")
+        if comm.rank == root:
+            assert got == [{"r": r, "rows": list(range(r * 1000))} for r in range(comm.size)]
+            assert got[root] is mine  # the root's own object, not a copy
+        else:
+            assert got is None
+    assert c.gather(None) == ([None] * comm.size if comm.rank == 0 else None)
+    with pytest.raises(ValueError, match="out of range"):
+        c.gather(1, root=comm.size)
+    c.barrier()  # still in step afterwards
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gather_timeout_names_the_missing_rank(state, comm):
+    import time
+
+    from mpaccel import CollectiveTimeoutError
+
+    late = comm.size - 1
+    if comm.rank == late:
+        time.sleep(2.5)  # past the others' deadline; the plugin resyncs the communicator
+        return
+    with pytest.raises(CollectiveTimeoutError) as info:
+        state.comm.gather(comm.rank, what="unit gather", timeout=1.0)
+    assert info.value.missing == [late]
+    assert f"rank(s) {late} (" in str(info.value) and "HINT" in str(info.value)

@@ -8,7 +8,8 @@ Call sequence of `save_sharded` (collective, every rank, each with its own shard
   2. rank 0 picks a save id and creates the directory; all ranks agree it worked;
   3. each rank writes its rows (Shard(0) slices, and rank 0 the tensors that are not sharded)
      to `<stem>-<id>-rankNNNNN.h5` (temp name, fsync, rename); all ranks agree it worked;
-  4. rank 0 checks that the slices of every tensor cover it exactly and commits
+  4. every rank sends its slice entries to rank 0 (a gather: no rank holds the others'),
+     rank 0 checks that the slices of every tensor cover it exactly and commits
      `<stem>.index.json` (temp file, fsync, rename), then removes files of earlier saves.
 With `async_save`, steps 2-4 run on a thread of their own, on a copy of the local rows only.
 """
@@ -18,11 +19,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import json
 import math
 import os
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,8 +269,11 @@ def build_index(
 
 
 def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
-                metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Collective: steps 2-4 of save_sharded (see the module's docstring)."""
+                metadata: Mapping[str, Any] | None = None,
+                keep: str | None = None) -> Mapping[str, Any]:
+    """Collective: steps 2-4 of save_sharded (see the module's docstring). Returns the committed
+    index: on rank 0 the dict it wrote, on the others a CommittedIndex. `keep`: the save id of
+    files of this stem that stay in the directory (commit_index)."""
     what = f"saving sharded checkpoint {directory!r}"
     save_id = comm.bcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None, what=what)
     limit = rawio.stall_limit(comm.default_timeout)
@@ -287,16 +292,58 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
         slices, sizes[name] = _write_rank_file(path, local)
 
     write_step(comm, what, "writing shards", limit, write_mine, written)
-    gathered = comm.allgather((slices, sizes), what=what)
+    # Only rank 0 writes the index: the others send it their slice entries and hold no one
+    # else's (an allgather, or a broadcast of the index, would give every rank all n x T).
+    gathered = comm.gather((slices, sizes), what=what)
     index: dict[str, Any] | None = None
     error: BaseException | None = None
     if comm.rank == 0:
         try:
+            assert gathered is not None
             index = build_index(comm.size, stem, save_id, local, gathered, metadata or {})
         except Exception as exc:  # reported by commit_index, on every rank
             error = exc
-    commit_index(comm, directory, stem, what, limit, index, error, written)
-    return comm.bcast(index, what=what)
+    commit_index(comm, directory, stem, what, limit, index, error, written, keep)
+    if index is not None:
+        return index
+    return CommittedIndex(directory, stem, save_id)
+
+
+class CommittedIndex(Mapping[str, Any]):
+    """The index a save committed, as ranks other than 0 get it: read from its file when first
+    used (most callers want only `save_id`, which it knows), so that the save itself moves no
+    index to them."""
+
+    def __init__(self, directory: str, stem: str, save_id: str) -> None:
+        self.directory, self.stem, self.save_id = directory, stem, save_id
+        self._index: dict[str, Any] | None = None
+
+    def _read(self) -> dict[str, Any]:
+        if self._index is None:
+            from .index_read import index_path
+
+            path = index_path(self.directory, self.stem)
+            with open(path) as f:
+                index = json.load(f)
+            if index.get("save_id") != self.save_id:
+                raise CheckpointError(
+                    f"{path!r} is the index of save {index.get('save_id')!r}, not of the save "
+                    f"{self.save_id!r} that returned it: the directory was saved into again",
+                    "use the index right after the save, or save into a directory of its own.",
+                )
+            self._index = index
+        return self._index
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "save_id":
+            return self.save_id
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
 
 
 def save_sharded(
@@ -307,10 +354,11 @@ def save_sharded(
     stem: str = SHARDED_STEM,
     metadata: Mapping[str, Any] | None = None,
     saver: Any = None,
-) -> dict[str, Any] | None:
+) -> Mapping[str, Any] | None:
     """Collective. Save {component: state dict} (values may be DTensors of Shard(0) and
     Replicate placements, plain tensors, arrays and plain values) under `directory`: each rank
-    writes only its own rows. Returns the committed index.
+    writes only its own rows. Returns the committed index (on ranks other than 0, read from
+    its file when first used: see CommittedIndex).
 
     `saver` (an mpaccel.checkpoint.AsyncSaver): copy the local rows and write them in the
     background; returns None at once, `saver.wait()` waits for the commit and raises its error.

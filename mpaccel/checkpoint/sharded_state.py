@@ -4,46 +4,200 @@ part (save_state), and loaded at any world size, into sharded or plain objects (
 
 A checkpoint with a sharded part holds `sharded.index.json` (format 2) and `state.index.json`
 (format 1), committed in that order; the latter names the former's save id, so that the
-checkpoint is complete only once both are there and belong together."""
+checkpoint is complete only once both are there and belong together. Saving again into the
+same directory keeps the previous sharded part (its files, and its index copied aside to
+`sharded.<save id>.index.json`) until the new state index is committed: a crash between the two
+commits leaves the previous checkpoint loadable."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 from typing import Any
+
+import torch
 
 from ..comm import Comm, agreement
 from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError
+from .index_read import index_path
 from .reader import CheckpointReader
 from .sharded import SHARDED_STEM, LocalState, collect_local, write_local
 from .sharded_read import Plan, apply, plan, read_plan
 from .stateful import TrainingState
-from .storage import check_same_on_every_rank
+from .storage import check_same_on_every_rank, fsync_path
 from .training_state import load_into
 
 STATE_STEM = "state"
 SAVE_ID = "sharded"  # the key of the state index's metadata naming the sharded part's save id
 
 
+def sharded_gradients(objects: TrainingState) -> dict[str, Any]:
+    """The `gradients` entries whose model is a `sharded` one: their gradients are saved as rows
+    in the sharded part (SummedGradients), not per rank."""
+    held = [id(obj) for obj in objects.sharded.values()]
+    return {name: module for name, module in objects.gradients.items() if id(module) in held}
+
+
+class SummedGradients:
+    """The gradients a fully_shard model summed so far mid-accumulation, as DTensors sharded like
+    its parameters: a Stateful of the sharded part, so that they are saved as rows and load at
+    any world size.
+
+    While FSDP2 accumulates without synchronising (accumulate(), no_sync()), each rank holds
+    whole gradients of its own micro-batches (FSDPParam's unsharded gradient); the next
+    synchronising backward averages them over the ranks, reduce-scatters them and adds them
+    to `p.grad`. state_dict() (collective over the model's mesh) does that reduction into new
+    memory, leaving FSDP's own state alone: p.grad + the ranks' average of the pending
+    gradients. load_state_dict() sets `p.grad` to it and drops pending gradients, so the next
+    synchronising backward adds the rest as it would have. `keys`: the gradients a load
+    expects (those the checkpoint holds)."""
+
+    def __init__(self, module: Any, keys: list[str] | None = None) -> None:
+        self.module = module
+        self.keys = keys
+
+    def _params(self) -> dict[str, Any]:
+        return {name: p for name, p in self.module.named_parameters() if p.requires_grad}
+
+    def _pending(self) -> list[Any]:
+        """FSDP2's FSDPParams of the model (private API: torch 2.13's names)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        out = []
+        for sub in self.module.modules():
+            if isinstance(sub, FSDPModule):
+                group = sub._get_fsdp_state()._fsdp_param_group
+                out += [] if group is None else list(group.fsdp_params)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        params = self._params()
+        if self.keys is not None:  # targets of a load, sharded like the parameters
+            return {key: torch.zeros_like(params[key]).detach() for key in self.keys}
+        from torch.distributed.tensor import DTensor, Partial
+
+        pending: dict[int, torch.Tensor] = {}
+        for fsdp_param in self._pending():
+            grad = fsdp_param.unsharded_accumulated_grad
+            if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+                grad = fsdp_param._unsharded_param.grad
+            if grad is not None:
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                pending[id(fsdp_param.sharded_param)] = local
+        out = {}
+        for name, p in params.items():
+            total = p.grad
+            local = pending.get(id(p))
+            if local is not None and isinstance(p, DTensor):
+                mesh = p.device_mesh
+                summed = DTensor.from_local(
+                    local.to(p.dtype), mesh, [Partial("avg")] * mesh.ndim, run_check=False,
+                    shape=p.shape, stride=p.stride(),
+                ).redistribute(mesh, p.placements)
+                total = summed if total is None else total + summed
+            if total is not None:
+                out[name] = total.detach()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = self._params()
+        for fsdp_param in self._pending():
+            fsdp_param.unsharded_accumulated_grad = None
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = None
+        for key, value in state.items():
+            params[key].grad = value
+
+
 def collect(comm: Comm, objects: TrainingState, what: str, copy: bool) -> LocalState | None:
-    """Collective. This rank's rows of the `sharded` Statefuls (a copy with `copy`: for a save
-    in the background), checked to be the same state on every rank; None if there are none."""
+    """Collective. This rank's rows of the `sharded` Statefuls, and of the sharded models'
+    gradients where `objects.gradients` asks for them (a copy with `copy`: for a save in the
+    background), checked to be the same state on every rank; None if there are none."""
     if not objects.sharded:
         return None
     local = LocalState({}, {}, {}, {})
     with agreement(comm, what, kind=CheckpointCollectiveError):
-        local = collect_local({n: o.state_dict() for n, o in objects.sharded.items()}, comm.rank)
+        state = {n: o.state_dict() for n, o in objects.sharded.items()}
+        for name, module in sharded_gradients(objects).items():
+            grads = SummedGradients(module).state_dict()
+            if grads:  # none: saved at a step boundary after all
+                state[name] = grads
+        local = collect_local(state, comm.rank)
         if copy:
             local = local.snapshot()
     check_same_on_every_rank(comm, what, local.documents, local.layout())
     return local
 
 
+def kept_stem(save_id: str) -> str:
+    """The stem under which a sharded part's index is kept aside while a second save into its
+    directory is under way (`sharded.<save id>.index.json`)."""
+    return f"{SHARDED_STEM}.{save_id}"
+
+
+def _committed_part(directory: str) -> str | None:
+    """The save id of the sharded part that the committed state index of `directory` names
+    (None: no state index, or one without a sharded part)."""
+    try:
+        with open(index_path(directory, STATE_STEM)) as f:
+            part = json.load(f).get("metadata", {}).get(SAVE_ID)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(
+            f"cannot read the checkpoint already in {directory!r} to save over it: {exc}",
+            "save into another directory, or delete this one first.",
+        ) from exc
+    return part if isinstance(part, str) else None
+
+
+def _keep_aside(directory: str) -> str | None:
+    """Rank 0, before a sharded part is saved into `directory`: if the checkpoint committed
+    there has a sharded part, copy its index to kept_stem(its id) (temp file, fsync, rename,
+    fsync of the directory), so that the new part's commit, which replaces
+    `sharded.index.json`, leaves that checkpoint loadable until the new state index replaces
+    it. Returns its save id, whose files the new commit keeps."""
+    part = _committed_part(directory)
+    if part is None:
+        return None
+    source = index_path(directory, SHARDED_STEM)
+    target = index_path(directory, kept_stem(part))
+    if os.path.exists(target):  # kept by an earlier save that did not complete
+        return part
+    try:
+        with open(source, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return part  # nothing to keep: its load fails as it would have
+    if json.loads(data).get("save_id") != part:
+        return part  # not that part's index: leave it to the load to refuse
+    temp = f"{target}.partial"
+    with open(temp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, target)
+    fsync_path(directory)
+    return part
+
+
 def write(comm: Comm, directory: str, local: LocalState | None) -> dict[str, Any]:
-    """Collective: commit the sharded part; returns what the state index's metadata records."""
+    """Collective: commit the sharded part; returns what the state index's metadata records.
+    Saving into a directory that holds a checkpoint: that checkpoint's sharded part (files,
+    and its index kept aside) stays until the new state index is committed, which removes it
+    (storage.remove_stale); a crash in between leaves it loadable."""
     if local is None:
         return {}
-    index = write_local(comm, directory, SHARDED_STEM, local)
+    what = f"saving sharded checkpoint {directory!r}"
+    keep: str | None = None
+    with agreement(comm, what + " (keeping the checkpoint it replaces)",
+                   kind=CheckpointCollectiveError):
+        if comm.rank == 0 and os.path.isdir(directory):
+            keep = rawio.within(rawio.stall_limit(comm.default_timeout), what,
+                                functools.partial(_keep_aside, directory))
+    index = write_local(comm, directory, SHARDED_STEM, local, keep=keep)
     return {SAVE_ID: index["save_id"]}
 
 
@@ -56,23 +210,38 @@ class ShardedLoad:
         metadata = state.index.get("metadata", {})
         self.save_id = metadata.get(SAVE_ID)
         self.directory = state.directory
+        # a later save into the directory that did not complete kept this part's index aside
+        self.stem = SHARDED_STEM
+        if isinstance(self.save_id, str) and os.path.exists(
+                index_path(self.directory, kept_stem(self.save_id))):
+            self.stem = kept_stem(self.save_id)
         saved: set[str] = set()
+        sliced: list[str] = []
         if self.save_id is not None:
-            with CheckpointReader(self.directory, SHARDED_STEM) as reader:
+            with CheckpointReader(self.directory, self.stem) as reader:
                 self._check(reader)
                 saved = set(reader.index["components"])
+                sliced = list(reader.index["sliced"])
         self.targets: dict[str, tuple[Any, str]] = {}  # name -> (object, stem)
         for name, obj in [*objects.models.items(), *objects.optimizers.items()]:
             if name in saved:
                 self.targets[name] = (obj, SHARDED_STEM)
         for name, obj in objects.sharded.items():
             self.targets[name] = (obj, SHARDED_STEM if name in saved else STATE_STEM)
+        # the sharded models' gradients, where the checkpoint holds them (saved
+        # mid-accumulation); else left as they are, as without FSDP
+        grads = sharded_gradients(objects)
+        for name, module in grads.items():
+            if name in saved:
+                keys = [k.split("/", 1)[1] for k in sliced if k.startswith(f"{name}/")]
+                self.targets[name] = (SummedGradients(module, keys), SHARDED_STEM)
         # what the ordinary load takes
         self.rest = TrainingState(
             models={n: m for n, m in objects.models.items() if n not in self.targets},
             optimizers={n: o for n, o in objects.optimizers.items() if n not in self.targets},
             shared=objects.shared, per_rank=objects.per_rank,
-            gradients={n: m for n, m in objects.gradients.items() if n not in self.targets},
+            gradients={n: m for n, m in objects.gradients.items()
+                       if n not in self.targets and n not in grads},
             optional=objects.optional,
         )
         self.plans: list[Plan] = []
@@ -97,8 +266,9 @@ class ShardedLoad:
                     names = [n for n, (_, s) in self.targets.items() if s == stem]
                     if not names:
                         continue
+                    opened = self.stem if stem == SHARDED_STEM else stem
                     reader = rawio.within(
-                        limit, what, functools.partial(CheckpointReader, self.directory, stem))
+                        limit, what, functools.partial(CheckpointReader, self.directory, opened))
                     readers.append(reader)
                     if stem == SHARDED_STEM:
                         self._check(reader)

@@ -379,12 +379,12 @@ def create_directory(comm: Comm, directory: str, what: str, limit: float) -> Non
 
 def commit_index(comm: Comm, directory: str, stem: str, what: str, limit: float,
                  index: dict[str, Any] | None, error: BaseException | None,
-                 written: list[str]) -> None:
+                 written: list[str], keep: str | None = None) -> None:
     """Collective, the last step of every save. Rank 0 writes `index` (built there; `error` if
     it could not be) atomically, syncs the directory and removes files of earlier saves; if
     that fails on rank 0, every rank raises, and every rank removes its `written` files of the
     save, unless the index may be in place (a commit given up on: the rename may still
-    happen, so every file stays)."""
+    happen, so every file stays). `keep`: a save id whose files stay (see remove_stale)."""
     committed: bool | None = False
 
     def put() -> None:
@@ -393,7 +393,7 @@ def commit_index(comm: Comm, directory: str, stem: str, what: str, limit: float,
         write_index(directory, stem, index)
         committed = True  # from here on, a failure must not take its files away
         fsync_path(directory)
-        remove_stale(directory, stem, index)
+        remove_stale(directory, stem, index, keep)
 
     if comm.rank == 0 and error is None:
         try:
@@ -444,9 +444,18 @@ def delete_checkpoint(directory: str, stem: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def remove_stale(directory: str, stem: str, index: Mapping[str, Any]) -> None:
-    """Remove the files of this stem that the committed index does not name."""
+def remove_stale(directory: str, stem: str, index: Mapping[str, Any],
+                 keep_save: str | None = None) -> None:
+    """Remove the files of this stem that the committed index does not name, but those of the
+    save `keep_save` (the sharded part that the directory's committed state index still
+    names while a second save into it is under way: sharded_state.py). A state index that
+    names a sharded part (`metadata.sharded`) supersedes the other sharded parts: theirs go."""
     keep = set(index["shards"]) | {p["file"] for p in index["per_rank"]}
+    if keep_save is not None:
+        keep |= {n for n in os.listdir(directory) if n.startswith(f"{stem}-{keep_save}-")}
+    part = index["metadata"].get("sharded")
+    if part is not None:
+        remove_superseded(directory, "sharded", part)
     # shards and per-rank files of earlier or interrupted saves, and index temp files of
     # saves that died between writing and renaming them
     pattern = re.compile(
@@ -454,4 +463,15 @@ def remove_stale(directory: str, stem: str, index: Mapping[str, Any]) -> None:
     )
     for name in os.listdir(directory):
         if pattern.match(name) and name not in keep:
+            os.remove(os.path.join(directory, name))
+
+
+def remove_superseded(directory: str, stem: str, save_id: str) -> None:
+    """Once a state index naming the sharded part `save_id` is committed: remove the files of
+    the other sharded parts in `directory` (the previous save's, kept until this commit, and
+    its index kept aside as `<stem>.<save id>.index.json`)."""
+    pattern = re.compile(rf"^{re.escape(stem)}(-[0-9a-f]{{12}}-.*\.h5(\.partial)?"
+                         rf"|\.[0-9a-f]{{12}}\.index\.json(\.partial)?)$")
+    for name in os.listdir(directory):
+        if pattern.match(name) and save_id not in name:
             os.remove(os.path.join(directory, name))

@@ -59,6 +59,18 @@ class Comm(Protocol):
         collectives (the sizes, then the pickled bytes); cost grows with the objects."""
         ...
 
+    def gather(
+        self, obj: Any, root: int = 0, what: str = "gather", timeout: float | None = None
+    ) -> list[Any] | None:
+        """Collective: every rank's `obj` (picklable), in rank order, on `root` only (the
+        others get None; the root's own object is its own, not a copy). For what one rank
+        needs of everyone (rank 0 writing an index): the others hold and move only their own
+        bytes, where allgather costs every rank the sum of all. Two MPI collectives: an
+        all-gather of the sizes (8 bytes a rank, so that every rank waits until all have
+        come and a timeout names the ranks that never did), then a gather of the pickled
+        bytes."""
+        ...
+
     def bcast(
         self, obj: Any, root: int = 0, what: str = "bcast", timeout: float | None = None
     ) -> Any:
@@ -171,6 +183,13 @@ class NullComm:
         return int(value)
 
     def allgather(self, obj: Any, what: str = "allgather", timeout: float | None = None) -> list:
+        return [obj]
+
+    def gather(
+        self, obj: Any, root: int = 0, what: str = "gather", timeout: float | None = None
+    ) -> list[Any] | None:
+        if root != 0:
+            raise ValueError(f"root {root} out of range for a world of size 1")
         return [obj]
 
     def bcast(self, obj: Any, root: int = 0, what: str = "bcast", timeout=None) -> Any:

@@ -378,6 +378,32 @@ class MPIComm:
         self._wait(request, what, timeout)
         return [pickle.loads(out[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), counts)]
 
+    def gather(
+        self, obj: Any, root: int = 0, what: str = "gather", timeout: float | None = None
+    ) -> list[Any] | None:
+        if not 0 <= root < self.size:
+            raise ValueError(f"root {root} out of range for a world of size {self.size}")
+        self._begin(what, "gather")
+        # The sizes go to every rank (8 bytes each): every rank then waits until all have
+        # come, so a rank that never does is named by everyone's timeout, as in allgather; a
+        # plain gather would let the others return at once and look absent to the root.
+        # The root keeps its own object as it is (nothing pickled for it), as scatter does.
+        payload = np.zeros(0, dtype=np.uint8)
+        if self.rank != root:
+            payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        mine = np.array([payload.size], dtype=np.int64)
+        self._wait(self._comm.Iallgather(mine, sizes), what, timeout)
+        out = np.empty(int(sizes.sum()) if self.rank == root else 0, dtype=np.uint8)
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+        counts = sizes.tolist()
+        receive = [out, counts, offsets, self._MPI.BYTE] if self.rank == root else None
+        self._wait(self._comm.Igatherv(payload, receive, root=root), what, timeout)
+        if self.rank != root:
+            return None
+        return [obj if r == root else pickle.loads(out[o : o + n].tobytes())
+                for r, (o, n) in enumerate(zip(offsets, counts))]
+
     def bcast(self, obj: Any, root: int = 0, what: str = "bcast", timeout=None) -> Any:
         if not 0 <= root < self.size:
             raise ValueError(f"root {root} out of range for a world of size {self.size}")
