@@ -159,11 +159,16 @@ class TrainingMethods:
         """Collective when distributed (DDP broadcasts rank 0's parameters and buffers). A
         model prepared already (or the module inside one) gives back its prepared model.
         With a dynamo backend (Accelerator(dynamo_backend=...) or dynamo_plugin=), the model
-        returned is torch.compile's wrapper around it, made last, as Accelerate does."""
+        returned is torch.compile's wrapper around it, made last, as Accelerate does; with
+        TorchDynamoPlugin(use_regional_compilation=True), compile_regions' copy of it (each
+        repeated block compiled on its own, sharing the parameters)."""
         inner = self.unwrap_model(model, keep_torch_compile=False)
         for prepared in self._models:
             if inner is self.unwrap_model(prepared, keep_torch_compile=False):
-                return model if training.is_compiled_module(model) else prepared
+                compiled = training.is_compiled_module(model) or training.is_regionally_compiled(
+                    model
+                )
+                return model if compiled else prepared
         placement = device_placement if device_placement is not None else self.device_placement
         if self.state.fsdp_plugin is not None:  # collective: fully_shard in place
             from . import sharding
@@ -188,7 +193,7 @@ class TrainingMethods:
         if plugin.backend != DynamoBackend.NO:
             # Only the user's copy is compiled: checkpoints work on the model kept in _models,
             # and no_sync, accumulate and Join find the DDP inside the compiled one.
-            return compile_model(model, plugin.to_kwargs())
+            return compile_model(model, plugin.to_kwargs(), bool(plugin.use_regional_compilation))
         return model
 
     def prepare_optimizer(

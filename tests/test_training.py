@@ -837,6 +837,67 @@ def test_dynamo_plugin_options_reach_torch_compile(comm, monkeypatch):
     assert seen == {}
 
 
+class _Stack(torch.nn.Module):
+    """A transformer's shape in small: a layer in, a ModuleList of like blocks, a head."""
+
+    def __init__(self, seed=1):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)
+        )
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.slow  # torch's compiler takes 3-8 s to import here
+def test_regional_compilation_compiles_each_block_and_trains_the_same(comm):
+    """TorchDynamoPlugin(use_regional_compilation=True) was refused: prepare() now returns
+    compile_regions' copy (around DDP at size > 1, made last as Accelerate does), each
+    repeated block compiled on its own, the rest apart; it trains as the uncompiled
+    single-process reference, and checkpoints and unwrap_model see the user's module."""
+    from mpaccel.training import is_compiled_module
+    from mpaccel.utils import TorchDynamoPlugin
+
+    acc = _fresh(dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    inner = _Stack()
+    model, opt = acc.prepare(inner, torch.optim.SGD(inner.parameters(), lr=0.05))
+    regions = model.module if comm.size > 1 else model
+    assert comm.size == 1 or distributed.ddp_of(model) is model  # DDP's copy, outermost
+    assert not is_compiled_module(regions) and type(regions) is _Stack
+    assert all(is_compiled_module(b) and b._orig_mod is inner.blocks[i]
+               for i, b in enumerate(regions.blocks))  # fmt: skip
+    assert is_compiled_module(regions.embed) and is_compiled_module(regions.head)
+    assert not any(is_compiled_module(m) for m in inner.modules())  # the user's stays as it was
+    assert acc.prepare(model) is model  # prepared already
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    dataset = _data()
+    loader = acc.prepare(DataLoader(dataset, batch_size=GLOBAL_BATCH // acc.num_processes))
+    for x, y in loader:
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    # the three blocks share one graph (the compiler's cache): embed, a block, the head
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    reference = _Stack()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for x, y in DataLoader(dataset, batch_size=GLOBAL_BATCH):
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    assert torch.allclose(_params(inner), _params(reference), atol=1e-5)
+    assert acc.unwrap_model(model, keep_torch_compile=False) is inner
+    assert acc.unwrap_model(model) is regions
+    assert list(acc.get_state_dict(model)) == list(inner.state_dict())  # no _orig_mod.
+
+
 @pytest.mark.slow  # inductor compiles C++ (14 s the first time on this machine)
 def test_inductor_backend(comm):
     from mpaccel.training import is_compiled_module
