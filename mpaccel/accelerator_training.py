@@ -440,16 +440,18 @@ class TrainingMethods:
         """Not collective. torch.profiler around the block, configured by `profile_handler`, else
         the ProfileKwargs of kwargs_handlers, else torch's defaults; yields the profiler (call
         its step() per iteration when a schedule is set). Each rank profiles itself; with
-        output_trace_dir, each writes its Chrome trace there as profile_<rank>.json."""
+        output_trace_dir, each writes its Chrome trace there, named by Accelerate's
+        PROFILE_PATTERN_NAME with its rank (profile_<rank>.json)."""
+        from .utils import constants  # read when called: the one definition of the name
+
         handler = profile_handler or self.profile_handler or ProfileKwargs()
         with handler.build() as profiler:
             yield profiler
         if handler.output_trace_dir is None:
             return
         os.makedirs(handler.output_trace_dir, exist_ok=True)
-        profiler.export_chrome_trace(
-            os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json")
-        )
+        name = constants.PROFILE_PATTERN_NAME.format(suffix=self.process_index)
+        profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, name))
 
     @property
     def optimizer_step_was_skipped(self: _Host) -> bool:

@@ -1005,6 +1005,24 @@ def test_profile_writes_a_trace_per_rank(comm, mpi_tmp_path):
         ProfileKwargs(activities=["gpu"]).build()
 
 
+@pytest.mark.parametrize("pattern", [None, "trace-of-rank-{suffix}.json"])
+def test_profile_names_its_traces_by_profile_pattern_name(comm, mpi_tmp_path, monkeypatch,
+                                                          pattern):
+    """profile() spelled the trace's name itself: it now formats PROFILE_PATTERN_NAME (the
+    one definition, mpaccel.utils.constants, Accelerate's value) with each rank's index."""
+    from mpaccel.utils import PROFILE_PATTERN_NAME, ProfileKwargs, constants
+
+    if pattern is not None:
+        monkeypatch.setattr(constants, "PROFILE_PATTERN_NAME", pattern)
+    expected = pattern or PROFILE_PATTERN_NAME
+    acc = _fresh()
+    with acc.profile(ProfileKwargs(activities=["cpu"], output_trace_dir=str(mpi_tmp_path))):
+        torch.ones(3).sum()
+    acc.wait_for_everyone()
+    names = sorted(p.name for p in mpi_tmp_path.iterdir())
+    assert names == sorted(expected.format(suffix=r) for r in range(comm.size))
+
+
 def test_profile_schedule_and_on_trace_ready(comm):
     """A handler for one block overrides the Accelerator's; on_trace_ready is called on every
     rank at the end of each active cycle."""
