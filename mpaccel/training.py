@@ -184,13 +184,16 @@ def patch_forward(
     `options`: as for autocast_context."""
     if mixed_precision not in _AUTOCAST_DTYPES or hasattr(model, "_mpaccel_original_forward"):
         return
+    # here, not at the top: mpaccel.utils imports this module
+    from .utils.operations import convert_to_fp32
+
     original = model.forward
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with autocast_context(mixed_precision, device, options):
             output = original(*args, **kwargs)
-        return _to_float32(output)
+        return convert_to_fp32(output)
 
     model._mpaccel_original_forward = original  # type: ignore[assignment]
     model.forward = forward
@@ -200,16 +203,6 @@ def unpatch_forward(model: torch.nn.Module) -> None:
     original = model.__dict__.pop("_mpaccel_original_forward", None)
     if original is not None:
         model.forward = original
-
-
-def _to_float32(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
-    if isinstance(output, dict):
-        return type(output)({k: _to_float32(v) for k, v in output.items()})
-    if isinstance(output, (list, tuple)) and not hasattr(output, "_fields"):
-        return type(output)(_to_float32(v) for v in output)
-    return output
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import sys
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -541,6 +542,35 @@ def test_mixed_precision(comm, precision):
         assert not torch.equal(before, _params(acc.unwrap_model(model)))
     bare = acc.unwrap_model(model, keep_fp32_wrapper=False)
     assert not hasattr(bare, "_mpaccel_original_forward")
+
+
+class _Outputs(NamedTuple):
+    logits: torch.Tensor
+    extra: dict
+
+
+class _Pair(torch.nn.Module):
+    """Returns a named tuple, as some models return their outputs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.linear = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return _Outputs(out, {"scores": [out * 2]})
+
+
+def test_mixed_precision_outputs_of_any_structure_come_back_in_float32(comm):
+    """The prepared forward's outputs went through a float32 conversion of its own, which left
+    named tuples alone (bfloat16 logits); it is now convert_to_fp32, Accelerate's, which
+    rebuilds named tuples, mappings, lists and tuples at any depth."""
+    acc = _fresh(mixed_precision="bf16")
+    out = acc.prepare(_Pair())(torch.randn(4, 8))
+    assert type(out) is _Outputs
+    assert out.logits.dtype == torch.float32
+    assert out.extra["scores"][0].dtype == torch.float32
 
 
 class _Branchy(torch.nn.Module):
