@@ -159,11 +159,16 @@ class TrainingMethods:
         """Collective when distributed (DDP broadcasts rank 0's parameters and buffers). A
         model prepared already (or the module inside one) gives back its prepared model.
         With a dynamo backend (Accelerator(dynamo_backend=...) or dynamo_plugin=), the model
-        returned is torch.compile's wrapper around it, made last, as Accelerate does."""
+        returned is torch.compile's wrapper around it, made last, as Accelerate does; with
+        TorchDynamoPlugin(use_regional_compilation=True), compile_regions' copy of it (each
+        repeated block compiled on its own, sharing the parameters)."""
         inner = self.unwrap_model(model, keep_torch_compile=False)
         for prepared in self._models:
             if inner is self.unwrap_model(prepared, keep_torch_compile=False):
-                return model if training.is_compiled_module(model) else prepared
+                compiled = training.is_compiled_module(model) or training.is_regionally_compiled(
+                    model
+                )
+                return model if compiled else prepared
         placement = device_placement if device_placement is not None else self.device_placement
         if self.state.fsdp_plugin is not None:  # collective: fully_shard in place
             from . import sharding
@@ -188,7 +193,7 @@ class TrainingMethods:
         if plugin.backend != DynamoBackend.NO:
             # Only the user's copy is compiled: checkpoints work on the model kept in _models,
             # and no_sync, accumulate and Join find the DDP inside the compiled one.
-            return compile_model(model, plugin.to_kwargs())
+            return compile_model(model, plugin.to_kwargs(), bool(plugin.use_regional_compilation))
         return model
 
     def prepare_optimizer(
@@ -435,16 +440,18 @@ class TrainingMethods:
         """Not collective. torch.profiler around the block, configured by `profile_handler`, else
         the ProfileKwargs of kwargs_handlers, else torch's defaults; yields the profiler (call
         its step() per iteration when a schedule is set). Each rank profiles itself; with
-        output_trace_dir, each writes its Chrome trace there as profile_<rank>.json."""
+        output_trace_dir, each writes its Chrome trace there, named by Accelerate's
+        PROFILE_PATTERN_NAME with its rank (profile_<rank>.json)."""
+        from .utils import constants  # read when called: the one definition of the name
+
         handler = profile_handler or self.profile_handler or ProfileKwargs()
         with handler.build() as profiler:
             yield profiler
         if handler.output_trace_dir is None:
             return
         os.makedirs(handler.output_trace_dir, exist_ok=True)
-        profiler.export_chrome_trace(
-            os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json")
-        )
+        name = constants.PROFILE_PATTERN_NAME.format(suffix=self.process_index)
+        profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, name))
 
     @property
     def optimizer_step_was_skipped(self: _Host) -> bool:

@@ -308,8 +308,10 @@ class ProfileKwargs(KwargsHandler):
 class TorchDynamoPlugin(KwargsHandler):
     """torch.compile for the prepared models: `Accelerator(dynamo_plugin=...)`, or
     `Accelerator(dynamo_backend="inductor")` for the defaults. backend: a DynamoBackend or its
-    name (None: "no", no compilation); mode, fullgraph, dynamic, options, disable: torch.compile's.
-    Unlike Accelerate, the ACCELERATE_DYNAMO_* variables are not read."""
+    name (None: "no", no compilation); mode, fullgraph, dynamic, options, disable: torch.compile's;
+    use_regional_compilation: compile each block of a repeated ModuleList on its own
+    (mpaccel.utils.compile_regions) instead of the whole model. Unlike Accelerate, the
+    ACCELERATE_DYNAMO_* variables are not read."""
 
     backend: Any = None
     mode: str | None = None
@@ -333,12 +335,6 @@ class TorchDynamoPlugin(KwargsHandler):
             self.fullgraph = False
         if self.use_regional_compilation is None:
             self.use_regional_compilation = False
-        if self.use_regional_compilation:
-            raise ConfigurationError(
-                "TorchDynamoPlugin(use_regional_compilation=True): mpaccel compiles whole models",
-                "drop use_regional_compilation, or call .compile() on your repeated blocks "
-                "yourself before prepare().",
-            )
 
     def to_kwargs(self) -> dict[str, Any]:
         """torch.compile's keyword arguments: those changed from the defaults, the backend by

@@ -64,20 +64,80 @@ def is_compiled_module(module: Any) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
-def compile_model(model: torch.nn.Module, compile_kwargs: dict[str, Any]) -> torch.nn.Module:
-    """torch.compile(model, **compile_kwargs), unless it is compiled already."""
-    if is_compiled_module(model):
+def is_regionally_compiled(module: Any) -> bool:
+    """`module` is a copy made by compile_regions: it keeps its original in `_orig_mod` as a
+    plain attribute (torch.compile's wrapper holds it as a submodule)."""
+    return isinstance(vars(module).get("_orig_mod"), torch.nn.Module) and not is_compiled_module(
+        module
+    )
+
+
+def has_compiled_regions(module: torch.nn.Module) -> bool:
+    """`module` has submodules, and one of them (or `module`) is torch.compile's wrapper."""
+    return bool(module._modules) and any(is_compiled_module(m) for m in module.modules())
+
+
+def _is_repeated_blocks(module: torch.nn.Module) -> bool:
+    """A non-empty ModuleList whose children are all of its first child's class."""
+    if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+        return False
+    kind = type(module[0])
+    return all(isinstance(child, kind) for child in module)
+
+
+def _compiled_regions(module: torch.nn.Module, compile_kwargs: dict[str, Any]) -> torch.nn.Module:
+    if _is_repeated_blocks(module):
+        # One torch.compile per block: blocks of one class share the compiler's cache, so
+        # compiling N blocks costs about one (regional compilation).
+        blocks = torch.nn.ModuleList(
+            [torch.compile(block, **compile_kwargs) for block in module.children()]  # type: ignore[misc]
+        )
+        blocks.__dict__["_orig_mod"] = module
+        return blocks
+    if not any(_is_repeated_blocks(sub) for sub in module.modules()):
+        return torch.compile(module, **compile_kwargs)  # type: ignore[return-value]
+    # A copy of this module that shares its parameters, buffers and attributes, with its
+    # children replaced: the user's module is left uncompiled. Each copy keeps its original
+    # (not only the outermost, as Accelerate's), so that unwrap_model finds the user's module
+    # inside DDP's copy too.
+    copy = type(module).__new__(type(module))
+    copy.__dict__.update(module.__dict__)
+    copy._modules = {}
+    for name, child in module.named_children():
+        copy.add_module(name, _compiled_regions(child, compile_kwargs))
+    copy.__dict__["_orig_mod"] = module
+    return copy
+
+
+def compile_regions(module: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.Module:
+    """Regional compilation: each block of a repeated ModuleList (a transformer's layers)
+    compiled on its own with torch.compile(block, **compile_kwargs), and the rest of the model
+    compiled in the largest pieces holding no such list; a model without one is compiled whole.
+    Returns a new module sharing `module`'s parameters (`module` itself is unchanged and is the
+    result's `_orig_mod`). Not collective."""
+    return _compiled_regions(module, compile_kwargs)
+
+
+def compile_model(
+    model: torch.nn.Module, compile_kwargs: dict[str, Any], regional: bool = False
+) -> torch.nn.Module:
+    """torch.compile(model, **compile_kwargs), or with `regional` compile_regions(model, ...),
+    unless it is compiled already (either way)."""
+    if is_compiled_module(model) or is_regionally_compiled(model):
         return model
+    if regional:
+        return compile_regions(model, **compile_kwargs)
     return torch.compile(model, **compile_kwargs)  # type: ignore[return-value]
 
 
 def unwrap_model(
     model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
 ) -> Any:
-    """The user's module inside DistributedDataParallel/DataParallel and torch.compile's wrapper.
-    `keep_fp32_wrapper=False` also removes the mixed-precision forward; `keep_torch_compile`:
-    a compiled model comes back compiled, around the unwrapped module (a new wrapper when DDP
-    sat between them, so the prepared model is left as it is)."""
+    """The user's module inside DistributedDataParallel/DataParallel, torch.compile's wrapper
+    and compile_regions' copies. `keep_fp32_wrapper=False` also removes the mixed-precision
+    forward; `keep_torch_compile`: a compiled model comes back compiled, around the unwrapped
+    module (a new wrapper when DDP sat between them, so the prepared model is left as it is;
+    regionally, the compiled copy of the user's module that DDP's copy holds)."""
     from torch.nn import DataParallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -87,7 +147,11 @@ def unwrap_model(
             compiled = compiled or model
             model = model._orig_mod
         elif isinstance(model, (DistributedDataParallel, DataParallel)):
+            # before the regional test: DDP's regional copy holds the user's one in `module`
             model = model.module
+        elif is_regionally_compiled(model):
+            compiled = compiled or model
+            model = vars(model)["_orig_mod"]
         else:
             break
     if not keep_fp32_wrapper:
@@ -96,6 +160,8 @@ def unwrap_model(
         return model
     if compiled._orig_mod is model:
         return compiled
+    if not is_compiled_module(compiled):
+        return compiled  # regional copies cannot be rebuilt around another module
     return type(compiled)(model, compiled.dynamo_ctx)
 
 
@@ -118,13 +184,16 @@ def patch_forward(
     `options`: as for autocast_context."""
     if mixed_precision not in _AUTOCAST_DTYPES or hasattr(model, "_mpaccel_original_forward"):
         return
+    # here, not at the top: mpaccel.utils imports this module
+    from .utils.operations import convert_to_fp32
+
     original = model.forward
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with autocast_context(mixed_precision, device, options):
             output = original(*args, **kwargs)
-        return _to_float32(output)
+        return convert_to_fp32(output)
 
     model._mpaccel_original_forward = original  # type: ignore[assignment]
     model.forward = forward
@@ -134,16 +203,6 @@ def unpatch_forward(model: torch.nn.Module) -> None:
     original = model.__dict__.pop("_mpaccel_original_forward", None)
     if original is not None:
         model.forward = original
-
-
-def _to_float32(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
-    if isinstance(output, dict):
-        return type(output)({k: _to_float32(v) for k, v in output.items()})
-    if isinstance(output, (list, tuple)) and not hasattr(output, "_fields"):
-        return type(output)(_to_float32(v) for v in output)
-    return output
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):

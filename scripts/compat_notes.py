@@ -33,8 +33,9 @@ DIFFERS: dict[str, str] = {
     **_each(
         (U,),
         "TorchDynamoPlugin",
-        "use_regional_compilation=True is refused and the ACCELERATE_DYNAMO_* variables are "
-        "not read (docs/training.md)",
+        "the ACCELERATE_DYNAMO_* variables are not read; with use_regional_compilation=True, "
+        "unwrap_model gives the compiled copy of your module where Accelerate's gives DDP's "
+        "(docs/training.md)",
     ),
     A + "Accelerator": (
         "mixed_precision='fp16' on CPU autocasts to float16 with a GradScaler and warns once, "

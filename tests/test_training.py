@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import sys
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -543,6 +544,35 @@ def test_mixed_precision(comm, precision):
     assert not hasattr(bare, "_mpaccel_original_forward")
 
 
+class _Outputs(NamedTuple):
+    logits: torch.Tensor
+    extra: dict
+
+
+class _Pair(torch.nn.Module):
+    """Returns a named tuple, as some models return their outputs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.linear = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return _Outputs(out, {"scores": [out * 2]})
+
+
+def test_mixed_precision_outputs_of_any_structure_come_back_in_float32(comm):
+    """The prepared forward's outputs went through a float32 conversion of its own, which left
+    named tuples alone (bfloat16 logits); it is now convert_to_fp32, Accelerate's, which
+    rebuilds named tuples, mappings, lists and tuples at any depth."""
+    acc = _fresh(mixed_precision="bf16")
+    out = acc.prepare(_Pair())(torch.randn(4, 8))
+    assert type(out) is _Outputs
+    assert out.logits.dtype == torch.float32
+    assert out.extra["scores"][0].dtype == torch.float32
+
+
 class _Branchy(torch.nn.Module):
     """A model whose forward skips a parameter on odd steps."""
 
@@ -837,6 +867,67 @@ def test_dynamo_plugin_options_reach_torch_compile(comm, monkeypatch):
     assert seen == {}
 
 
+class _Stack(torch.nn.Module):
+    """A transformer's shape in small: a layer in, a ModuleList of like blocks, a head."""
+
+    def __init__(self, seed=1):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)
+        )
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.slow  # torch's compiler takes 3-8 s to import here
+def test_regional_compilation_compiles_each_block_and_trains_the_same(comm):
+    """TorchDynamoPlugin(use_regional_compilation=True) was refused: prepare() now returns
+    compile_regions' copy (around DDP at size > 1, made last as Accelerate does), each
+    repeated block compiled on its own, the rest apart; it trains as the uncompiled
+    single-process reference, and checkpoints and unwrap_model see the user's module."""
+    from mpaccel.training import is_compiled_module
+    from mpaccel.utils import TorchDynamoPlugin
+
+    acc = _fresh(dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    inner = _Stack()
+    model, opt = acc.prepare(inner, torch.optim.SGD(inner.parameters(), lr=0.05))
+    regions = model.module if comm.size > 1 else model
+    assert comm.size == 1 or distributed.ddp_of(model) is model  # DDP's copy, outermost
+    assert not is_compiled_module(regions) and type(regions) is _Stack
+    assert all(is_compiled_module(b) and b._orig_mod is inner.blocks[i]
+               for i, b in enumerate(regions.blocks))  # fmt: skip
+    assert is_compiled_module(regions.embed) and is_compiled_module(regions.head)
+    assert not any(is_compiled_module(m) for m in inner.modules())  # the user's stays as it was
+    assert acc.prepare(model) is model  # prepared already
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    dataset = _data()
+    loader = acc.prepare(DataLoader(dataset, batch_size=GLOBAL_BATCH // acc.num_processes))
+    for x, y in loader:
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    # the three blocks share one graph (the compiler's cache): embed, a block, the head
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    reference = _Stack()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for x, y in DataLoader(dataset, batch_size=GLOBAL_BATCH):
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    assert torch.allclose(_params(inner), _params(reference), atol=1e-5)
+    assert acc.unwrap_model(model, keep_torch_compile=False) is inner
+    assert acc.unwrap_model(model) is regions
+    assert list(acc.get_state_dict(model)) == list(inner.state_dict())  # no _orig_mod.
+
+
 @pytest.mark.slow  # inductor compiles C++ (14 s the first time on this machine)
 def test_inductor_backend(comm):
     from mpaccel.training import is_compiled_module
@@ -942,6 +1033,24 @@ def test_profile_writes_a_trace_per_rank(comm, mpi_tmp_path):
     assert any("addmm" in event.get("name", "") for event in trace["traceEvents"])
     with pytest.raises(ConfigurationError, match="not a profiler activity"):
         ProfileKwargs(activities=["gpu"]).build()
+
+
+@pytest.mark.parametrize("pattern", [None, "trace-of-rank-{suffix}.json"])
+def test_profile_names_its_traces_by_profile_pattern_name(comm, mpi_tmp_path, monkeypatch,
+                                                          pattern):
+    """profile() spelled the trace's name itself: it now formats PROFILE_PATTERN_NAME (the
+    one definition, mpaccel.utils.constants, Accelerate's value) with each rank's index."""
+    from mpaccel.utils import PROFILE_PATTERN_NAME, ProfileKwargs, constants
+
+    if pattern is not None:
+        monkeypatch.setattr(constants, "PROFILE_PATTERN_NAME", pattern)
+    expected = pattern or PROFILE_PATTERN_NAME
+    acc = _fresh()
+    with acc.profile(ProfileKwargs(activities=["cpu"], output_trace_dir=str(mpi_tmp_path))):
+        torch.ones(3).sum()
+    acc.wait_for_everyone()
+    names = sorted(p.name for p in mpi_tmp_path.iterdir())
+    assert names == sorted(expected.format(suffix=r) for r in range(comm.size))
 
 
 def test_profile_schedule_and_on_trace_ready(comm):

@@ -267,16 +267,18 @@ class MPIComm:
         if self.probe_after is not None and self.size > 1:
             every = self.probe_after
         probe_at = ask_at = start + every
+        # presence.answer has nothing to say before then; not calling it keeps short waits cheap
+        answer_at = start + self.presence.answer_after
         pause = 2e-5
         while not test():
             self._diagnosis.answer(self._current)
-            if self._current is not None:
-                self.presence.answer(time.monotonic() - start, test, self._current[1])
             if self._alerts is not None and self._alerts.waiting():
                 if test():  # done after all: the alert is about a later collective
                     break
                 self._check_alerts(what)
             now = time.monotonic()
+            if now >= answer_at and self._current is not None:
+                self.presence.answer(now - start, test, self._current[1])
             if now >= ask_at:
                 # again every probe_after: the rank asked may move on, e.g. to the end of the
                 # program after abandoning this collective for an error of its own

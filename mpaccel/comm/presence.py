@@ -25,6 +25,7 @@ the late ones, seeing its WITHDRAW for the same key, return: one result, never a
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +56,10 @@ class Presence:
         self._away: dict[int, int] = {}  # peer -> the sequence number of ours it turned away
         self._sends: list[Any] = []
         self._answered: set[tuple[int, int]] = set()
+        # Seconds into a wait before `answer` has anything to do: the wait loop calls it only
+        # from then on, so that the short waits of the common path pay neither a call nor a
+        # probe (docs/benchmarks.md, "Control plane: the presence answer"). Never at size 1.
+        self.answer_after = math.inf if size == 1 else _GRACE
 
     def _drain(self) -> None:
         from mpi4py import MPI
@@ -78,9 +83,10 @@ class Presence:
 
     def answer(self, waited: float, done: Callable[[], bool], at: int) -> None:
         """Called while this rank waits in collective number `at` for `waited` seconds
-        (`done()` tests it): tell each rank that is waiting for it in a presence handshake that
-        it will not come (the asker ignores it if it has finished that collective)."""
-        if waited < _GRACE or self.size == 1:
+        (`done()` tests it), at least `answer_after`: tell each rank that is waiting for it in
+        a presence handshake that it will not come (the asker ignores it if it has finished
+        that collective)."""
+        if waited < self.answer_after:
             return
         self._drain()
         waiting = [

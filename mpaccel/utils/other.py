@@ -7,9 +7,7 @@ import functools
 import sys
 from typing import Any
 
-import torch
-
-from ..training import is_compiled_module
+from ..training import compile_regions, has_compiled_regions, is_compiled_module
 from ..training import unwrap_model as _unwrap_model
 
 
@@ -31,49 +29,6 @@ def wait_for_everyone() -> None:
     from ..state import PartialState
 
     PartialState().wait_for_everyone()
-
-
-def _is_repeated_blocks(module: torch.nn.Module) -> bool:
-    """A non-empty ModuleList whose children are all of its first child's class."""
-    if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
-        return False
-    kind = type(module[0])
-    return all(isinstance(child, kind) for child in module)
-
-
-def _compiled_regions(module: torch.nn.Module, compile_kwargs: dict[str, Any]) -> torch.nn.Module:
-    if _is_repeated_blocks(module):
-        # One torch.compile per block: blocks of one class share the compiler's cache, so
-        # compiling N blocks costs about one (regional compilation).
-        blocks = [torch.compile(block, **compile_kwargs) for block in module.children()]
-        return torch.nn.ModuleList(blocks)  # type: ignore[arg-type]
-    if not any(_is_repeated_blocks(sub) for sub in module.modules()):
-        return torch.compile(module, **compile_kwargs)  # type: ignore[return-value]
-    # A copy of this module that shares its parameters, buffers and attributes, with its
-    # children replaced: the user's module is left uncompiled.
-    copy = type(module).__new__(type(module))
-    copy.__dict__.update(module.__dict__)
-    copy._modules = {}
-    for name, child in module.named_children():
-        copy.add_module(name, _compiled_regions(child, compile_kwargs))
-    return copy
-
-
-def compile_regions(module: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.Module:
-    """Regional compilation: each block of a repeated ModuleList (a transformer's layers)
-    compiled on its own with torch.compile(block, **compile_kwargs), and the rest of the model
-    compiled in the largest pieces holding no such list; a model without one is compiled whole.
-    Returns a new module sharing `module`'s parameters (`module` itself is unchanged and is the
-    result's `_orig_mod`). Not collective."""
-    compiled = _compiled_regions(module, compile_kwargs)
-    if "_orig_mod" not in compiled.__dict__:
-        compiled.__dict__["_orig_mod"] = module  # the way back to the uncompiled model
-    return compiled
-
-
-def has_compiled_regions(module: torch.nn.Module) -> bool:
-    """`module` has submodules, and one of them (or `module`) is torch.compile's wrapper."""
-    return bool(module._modules) and any(is_compiled_module(m) for m in module.modules())
 
 
 # -- plain helpers -----------------------------------------------------------------------------
