@@ -34,7 +34,6 @@ from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .format import (
-    FORMAT_NAME,
     SHARDED_FORMAT_VERSION,
     CheckpointCollectiveError,
     CheckpointError,
@@ -45,6 +44,7 @@ from .format import (
     flatten,
     to_numpy,
 )
+from .index import CheckpointIndex, SlicedTensor
 from .storage import (
     check_same_on_every_rank,
     commit_index,
@@ -194,16 +194,16 @@ def _write_rank_file(path: str, local: LocalState) -> tuple[dict[str, dict], int
     slices = {}
     for key, array in local.arrays.items():
         entry = entries[key]
-        if "offset" not in entry:
+        if entry.offset is None:
             raise CheckpointError(f"HDF5 gave {key!r} no contiguous storage in {path!r}")
         per_block = rows_per_block(array)
-        digests = block_digests(array, per_block) if array.ndim else [entry["xxh3"]]
+        digests = block_digests(array, per_block) if array.ndim else [entry.xxh3]
         if len(digests) == 1:
-            digests = [entry["xxh3"]]
+            digests = [entry.xxh3]
         rows = local.rows[key]
         slices[key] = {
-            "file": entry["file"], "start": rows.start, "stop": rows.stop,
-            "offset": entry["offset"], "nbytes": entry["nbytes"],
+            "file": entry.file, "start": rows.start, "stop": rows.stop,
+            "offset": entry.offset, "nbytes": entry.nbytes,
             "rows_per_block": per_block, "xxh3": digests,
         }
     return slices, size
@@ -226,7 +226,7 @@ def _coverage_error(key: str, shape: list[int], slices: list[dict]) -> str | Non
 def build_index(
     comm_size: int, stem: str, save_id: str, local: LocalState,
     gathered: list[tuple[dict[str, dict], dict[str, int]]], metadata: Mapping[str, Any],
-) -> dict[str, Any]:
+) -> CheckpointIndex:
     sliced: dict[str, dict] = {
         key: {"dtype": local.dtypes[key], "shape": list(rows.shape), "slices": []}
         for key, rows in sorted(local.rows.items())
@@ -248,22 +248,21 @@ def build_index(
             "every rank must save the same fully_shard model and optimizer, on one device mesh "
             "spanning all ranks.",
         )
-    return {
-        "format": FORMAT_NAME,
-        "format_version": SHARDED_FORMAT_VERSION,
-        "stem": stem,
-        "save_id": save_id,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "mpaccel_version": __version__,
-        "world_size": comm_size,
-        "metadata": {"kind": "sharded", **dict(metadata)},
-        "components": local.documents,
-        "tensors": {},
-        "sliced": sliced,
-        "shards": sorted(sizes),
-        "per_rank": [],
-        "file_sizes": sizes,
-    }
+    return CheckpointIndex(
+        format_version=SHARDED_FORMAT_VERSION,
+        stem=stem,
+        save_id=save_id,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        mpaccel_version=__version__,
+        world_size=comm_size,
+        metadata={"kind": "sharded", **dict(metadata)},
+        components=local.documents,
+        tensors={},
+        sliced={key: SlicedTensor.from_json(entry) for key, entry in sliced.items()},
+        shards=tuple(sorted(sizes)),
+        per_rank=(),
+        file_sizes=sizes,
+    )
 
 
 def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
@@ -288,7 +287,7 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
 
     write_step(comm, what, "writing shards", limit, write_mine, written)
     gathered = comm.allgather((slices, sizes), what=what)
-    index: dict[str, Any] | None = None
+    index: CheckpointIndex | None = None
     error: BaseException | None = None
     if comm.rank == 0:
         try:
@@ -296,7 +295,7 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
         except Exception as exc:  # reported by commit_index, on every rank
             error = exc
     commit_index(comm, directory, stem, what, limit, index, error, written)
-    return comm.bcast(index, what=what)
+    return comm.bcast(index.to_json() if index is not None else None, what=what)
 
 
 def save_sharded(
