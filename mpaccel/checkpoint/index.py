@@ -4,12 +4,15 @@ and nowhere else; to_json gives the JSON document that writers commit."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._version import __version__
 from .format import (
     FORMAT_NAME,
+    FORMAT_VERSION,
     INDEX_DIGEST,
     SHARDED_FORMAT_VERSION,
     CheckpointError,
@@ -168,6 +171,39 @@ class CheckpointIndex:
             sliced={key: SlicedTensor.from_json(entry) for key, entry in (sliced or {}).items()},
             **{key: document.get(key) for key in _OPTIONAL},
             index_xxh3=saved,
+        )
+
+    @classmethod
+    def new(
+        cls,
+        *,
+        stem: str,
+        save_id: str,
+        world_size: int,
+        metadata: Mapping[str, Any],
+        components: Mapping[str, Any],
+        shards: tuple[str, ...],
+        file_sizes: Mapping[str, int],
+        tensors: Mapping[str, TensorEntry] | None = None,
+        per_rank: tuple[RankPart, ...] = (),
+        sliced: Mapping[str, SlicedTensor] | None = None,
+    ) -> CheckpointIndex:
+        """The index of a save this mpaccel commits now: format 2 if it has `sliced` tensors,
+        else 1."""
+        return cls(
+            format_version=FORMAT_VERSION if sliced is None else SHARDED_FORMAT_VERSION,
+            stem=stem,
+            save_id=save_id,
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            mpaccel_version=__version__,
+            world_size=world_size,
+            metadata=metadata,
+            components=components,
+            tensors={} if tensors is None else tensors,
+            shards=shards,
+            per_rank=per_rank,
+            file_sizes=file_sizes,
+            sliced={} if sliced is None else sliced,
         )
 
     def to_json(self) -> dict[str, Any]:

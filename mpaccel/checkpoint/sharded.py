@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import math
 import os
 import uuid
@@ -29,12 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._version import __version__
 from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .format import (
-    SHARDED_FORMAT_VERSION,
     CheckpointCollectiveError,
     CheckpointError,
     checksum,
@@ -248,19 +245,15 @@ def build_index(
             "every rank must save the same fully_shard model and optimizer, on one device mesh "
             "spanning all ranks.",
         )
-    return CheckpointIndex(
-        format_version=SHARDED_FORMAT_VERSION,
+    return CheckpointIndex.new(
         stem=stem,
         save_id=save_id,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        mpaccel_version=__version__,
         world_size=comm_size,
         metadata={"kind": "sharded", **dict(metadata)},
         components=local.documents,
         tensors={},
         sliced={key: SlicedTensor.from_json(entry) for key, entry in sliced.items()},
         shards=tuple(sorted(sizes)),
-        per_rank=(),
         file_sizes=sizes,
     )
 

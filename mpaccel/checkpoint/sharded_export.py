@@ -17,7 +17,6 @@ the save are removed.
 
 from __future__ import annotations
 
-import datetime
 import os
 import uuid
 from collections.abc import Mapping
@@ -27,13 +26,11 @@ import h5py
 import numpy as np
 import xxhash
 
-from .._version import __version__
 from ..comm import Comm, agreement
 from . import rawio
 from .error_keeping_file import ErrorKeepingFile
 from .format import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     CheckpointCollectiveError,
     checksum,
     parse_size,
@@ -193,20 +190,15 @@ def export_full(
     index: CheckpointIndex | None = None
     if comm.rank == 0:
         tensors = {k: v for part, _ in gathered for k, v in part.items()}
-        index = CheckpointIndex(
-            format_version=FORMAT_VERSION,
+        index = CheckpointIndex.new(
             stem=MODEL_STEM,
             save_id=save_id,
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            mpaccel_version=__version__,
             world_size=comm.size,
             metadata={"kind": "model"},
             components=local.documents,
             tensors={k: tensors[k] for k in keys},
             shards=tuple(sorted(names)),
-            per_rank=(),
             file_sizes={n: s for _, part in gathered for n, s in part.items()},
-            sliced={},
         )
     commit_index(comm, directory, MODEL_STEM, what, limit, index, None, written)
     result = comm.bcast(index.to_json() if index is not None else None, what=what)

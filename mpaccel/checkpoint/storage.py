@@ -16,7 +16,6 @@ answering fails the step under the collective timeout, and every rank raises nam
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -30,14 +29,12 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .._version import __version__
 from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .error_keeping_file import ErrorKeepingFile
 from .format import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     INDEX_DIGEST,
     CheckpointCollectiveError,
     CheckpointError,
@@ -315,12 +312,9 @@ def write_checkpoint(
         (entries, (rank_file, rank_docs, rank_entries) if per_rank is not None else None, sizes),
         what=what,
     )
-    index = CheckpointIndex(
-        format_version=FORMAT_VERSION,
+    index = CheckpointIndex.new(
         stem=stem,
         save_id=save_id,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        mpaccel_version=__version__,
         world_size=comm.size,
         metadata=dict(metadata or {}),
         components=documents,
@@ -332,7 +326,6 @@ def write_checkpoint(
             if extra is not None
         ),
         file_sizes={name: size for _, _, part in gathered for name, size in part.items()},
-        sliced={},
     )
     commit_index(comm, directory, stem, what, limit, index, None, written)
     return index.to_json()
