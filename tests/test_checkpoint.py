@@ -1088,7 +1088,7 @@ def test_an_async_save_records_its_own_checkpoint_number(mpi_tmp_path, comm, mon
     for number in range(3):
         directory = mpi_tmp_path / "p" / "checkpoints" / f"checkpoint_{number}"
         with CheckpointReader(str(directory), "state") as reader:
-            assert reader.index["metadata"]["iteration"] == number
+            assert reader.index.metadata["iteration"] == number
 
 
 def test_reader_verify_and_listing(mpi_tmp_path, comm):
@@ -1186,7 +1186,7 @@ def test_plain_stateful_objects_round_trip_without_an_accelerator(mpi_tmp_path, 
         assert own2.state_dict() == {"count": 10 + control.rank, "seen": [control.rank]}
         with CheckpointReader(directory, "state") as reader:
             assert reader.components() == ["net", "sgd", "tally"]
-            mine = reader.index["per_rank"][control.rank]["components"]
+            mine = reader.index.per_rank[control.rank].components
             assert list(mine) == ["rng", "own"]
         assert not PartialState._shared_state, "an Accelerator's state was made"
     finally:

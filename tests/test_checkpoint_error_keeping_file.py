@@ -4,6 +4,7 @@ checkpoint writer as a whole (HDF5's metadata through the sink, the data through
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import threading
@@ -16,6 +17,7 @@ from mpaccel.checkpoint import error_keeping_file as sink_module
 from mpaccel.checkpoint import rawio, storage
 from mpaccel.checkpoint import reader as reader_module
 from mpaccel.checkpoint.error_keeping_file import ErrorKeepingFile
+from mpaccel.checkpoint.index import CheckpointIndex, TensorEntry
 
 pytestmark = pytest.mark.mpi(size=1)
 
@@ -73,11 +75,11 @@ def test_checkpoint_entries_hold_the_checksums(monkeypatch, tmp_path):
     monkeypatch.setattr(rawio, "PIECE", 64 << 10)
     entries, size = _write_checkpoint_file(tmp_path / "sums.h5")
     for key, array in BIG.items():
-        assert entries[key]["xxh3"] == storage.checksum(array), key
+        assert entries[key].xxh3 == storage.checksum(array), key
     assert size == os.path.getsize(tmp_path / "sums.h5")
     with h5py.File(tmp_path / "sums.h5", "r") as f:  # the index says where HDF5 put the data
         for key in BIG:  # 0-d ones included: HDF5 writes those itself
-            assert entries[key]["offset"] == f[key].id.get_offset(), key
+            assert entries[key].offset == f[key].id.get_offset(), key
 
 
 def test_enospc_at_every_write_is_raised_after_a_clean_close(monkeypatch, tmp_path, writer):
@@ -140,7 +142,9 @@ def _reader_for(path, entries, size=None):
     reader = reader_module.CheckpointReader.__new__(reader_module.CheckpointReader)
     reader.directory, reader.stem, reader.node_share = str(path.parent), "t", (0, 1)
     sizes = {} if size is None else {path.name: size}
-    reader.index = {"tensors": entries, "per_rank": [], "components": {}, "file_sizes": sizes}
+    reader.index = CheckpointIndex(format_version=1, world_size=1, metadata={}, components={},
+                                   tensors=entries, shards=(), per_rank=(), file_sizes=sizes,
+                                   sliced={})
     reader._ordinal = {key: i for i, key in enumerate(sorted(entries))}
     reader._reset_files()
     return reader
@@ -203,7 +207,8 @@ def test_a_file_of_another_size_than_the_index_says_is_read_through_hdf5(tmp_pat
 def test_verify_reports_an_offset_that_hdf5_contradicts(tmp_path):
     path = tmp_path / "lie.h5"
     entries, size = _write_checkpoint_file(path)
-    entries["model/big"] = {**entries["model/big"], "offset": entries["model/big"]["offset"] + 8}
+    big = entries["model/big"]
+    entries["model/big"] = dataclasses.replace(big, offset=big.offset + 8)
     with _reader_for(path, entries, size) as reader:
         problems = reader.verify()
     assert len(problems) == 1 and "HDF5 has 'model/big' at offset" in problems[0], problems
@@ -316,12 +321,14 @@ sys.stdin.read()
 GIVEN_UP = """
 import sys
 from mpaccel.checkpoint import rawio, reader
-entries = {"model/big": {"file": sys.argv[2], "dtype": "float32", "shape": [300000],
-                         "nbytes": 1200000, "xxh3": "0", "offset": int(sys.argv[3])}}
+from mpaccel.checkpoint.index import CheckpointIndex, TensorEntry
+entries = {"model/big": TensorEntry(sys.argv[2], "float32", (300000,), 1200000, "0",
+                                    int(sys.argv[3]))}
 r = reader.CheckpointReader.__new__(reader.CheckpointReader)
 r.directory, r.stem, r.node_share = sys.argv[1], "t", (0, 1)
-r.index = {"tensors": entries, "per_rank": [], "components": {},
-           "file_sizes": {sys.argv[2]: int(sys.argv[4])}}
+r.index = CheckpointIndex(format_version=1, world_size=1, metadata={}, components={},
+                          tensors=entries, shards=(), per_rank=(),
+                          file_sizes={sys.argv[2]: int(sys.argv[4])}, sliced={})
 r._reset_files()
 try:
     rawio.within(1.0, "reading", lambda: r.read_arrays([("model/big", entries["model/big"],
@@ -346,7 +353,7 @@ def test_io_that_stops_answering_is_given_up_named_and_left_behind(tmp_path):
         assert holder.stdout.readline().strip() == "leased"
         run = subprocess.run(
             [sys.executable, "-c", GIVEN_UP, str(tmp_path), path.name,
-             str(entries["model/big"]["offset"]), str(size)],
+             str(entries["model/big"].offset), str(size)],
             capture_output=True, text=True, timeout=30,
         )
         assert holder.poll() is None, "the lease was given up before the reader ended"
@@ -364,7 +371,7 @@ def test_uninitialized_lazy_parameters_are_not_read_into():
     from mpaccel.checkpoint import read_plan
 
     lazy = torch.nn.LazyLinear(4)
-    entry = {"dtype": "float32", "shape": [4, 3]}
+    entry = TensorEntry("w.h5", "float32", (4, 3), 48, "0" * 16, 0)
     assert read_plan.writable_view(lazy.weight, entry) is None
     assert read_plan.writable_view(torch.zeros(3, 4).t(), entry) is None  # not contiguous
     assert read_plan.writable_view(torch.zeros(4, 3), entry) is not None
@@ -529,23 +536,26 @@ def test_a_cold_read_from_a_local_disk_takes_one_thread_a_cached_one_several(
         os.close(fd)
 
 
+def _entry(file: str, offset: int | None, nbytes: int) -> TensorEntry:
+    return TensorEntry(file, "uint8", (nbytes,), nbytes, "0" * 16, offset)
+
+
 def test_checksum_owners_split_bytes_not_tensors():
     # One large matrix first in the file, then many small vectors: by count, the reader owning
     # the matrix would hash ~all of the bytes; by bytes, the shares are even within a tensor.
-    entries = {"a/big": {"file": "s0.h5", "offset": 0, "nbytes": 600}}
-    entries.update({f"b/v{i:02d}": {"file": "s0.h5", "offset": 600 + 20 * i, "nbytes": 20}
-                    for i in range(30)})
-    entries["c/next"] = {"file": "s1.h5", "offset": 0, "nbytes": 400}
-    total = sum(e["nbytes"] for e in entries.values())
+    entries = {"a/big": _entry("s0.h5", 0, 600)}
+    entries.update({f"b/v{i:02d}": _entry("s0.h5", 600 + 20 * i, 20) for i in range(30)})
+    entries["c/next"] = _entry("s1.h5", 0, 400)
+    total = sum(e.nbytes for e in entries.values())
     for count in (1, 2, 3, 4):
         owners = reader_module.checksum_owners(entries, count)
         assert set(owners) == set(entries) and set(owners.values()) <= set(range(count))
-        order = sorted(entries, key=lambda k: (entries[k]["file"], entries[k]["offset"]))
+        order = sorted(entries, key=lambda k: (entries[k].file, entries[k].offset))
         assert [owners[k] for k in order] == sorted(owners[k] for k in order)  # runs
-        shares = [sum(e["nbytes"] for k, e in entries.items() if owners[k] == r)
+        shares = [sum(e.nbytes for k, e in entries.items() if owners[k] == r)
                   for r in range(count)]
         assert all(abs(share - total / count) <= 600 for share in shares), shares
     assert reader_module.checksum_owners(entries, 2)["a/big"] == 0
     assert reader_module.checksum_owners(entries, 2)["c/next"] == 1
-    empty = {"x": {"file": "s0.h5", "offset": None, "nbytes": 0}}
+    empty = {"x": _entry("s0.h5", None, 0)}
     assert reader_module.checksum_owners(empty, 4) == {"x": 0}

@@ -93,7 +93,7 @@ def test_colliding_keys_each_keep_their_own_tensor(mpi_tmp_path, comm):
         assert torch.equal(loaded[key], state[key]), key
     with CheckpointReader(str(mpi_tmp_path / "keys"), "state") as reader:
         assert reader.verify() == []
-        assert len([k for k in reader.index["tensors"] if k.startswith("custom_0/")]) == 10
+        assert len([k for k in reader.index.tensors if k.startswith("custom_0/")]) == 10
     code, text = _ckpt("verify", mpi_tmp_path / "keys")
     assert code == 0, text
     # The names depend on each key's path, not on the order of the dict (a live state_dict

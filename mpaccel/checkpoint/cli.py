@@ -10,6 +10,7 @@ import sys
 import torch
 
 from .format import CheckpointError, dataset_name, unflatten
+from .index import CheckpointIndex
 from .reader import CheckpointReader
 from .sharded_read import read_full, verify_sliced
 
@@ -50,48 +51,48 @@ def run_ls(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace, stem: str) -> None:
     with CheckpointReader(args.directory, stem) as reader:
         index = reader.index
-        print(f"{args.directory}: {reader.stem} checkpoint, format "
-              f"{index.get('format_version', 0)}, written by {index['world_size']} process(es) "
-              f"at {index.get('created', 'an unrecorded time')}")
+        created = index.created if index.created is not None else "an unrecorded time"
+        print(f"{args.directory}: {reader.stem} checkpoint, format {index.format_version}, "
+              f"written by {index.world_size} process(es) at {created}")
         # shared tensors, then each rank's own (RNG states...), named "rank R: key"
-        entries = sorted(index["tensors"].items())
-        for rank, part in enumerate(index["per_rank"]):
-            entries += [(f"rank {rank}: {key}", e) for key, e in sorted(part["tensors"].items())]
+        entries = sorted(index.tensors.items())
+        for rank, part in enumerate(index.per_rank):
+            entries += [(f"rank {rank}: {key}", e) for key, e in sorted(part.tensors.items())]
         rows = [("tensor", "dtype", "shape", "size", "file")]
         for key, entry in entries:
-            rows.append((key, entry["dtype"], "x".join(map(str, entry["shape"])) or "scalar",
-                         _size(entry["nbytes"]), entry["file"]))
-        sliced = sorted(index.get("sliced", {}).items())  # sharded checkpoints: global shapes
-        for key, entry in sliced:
-            files = {piece["file"] for piece in entry["slices"]}
-            rows.append((key, entry["dtype"], "x".join(map(str, entry["shape"])) or "scalar",
-                         _size(sum(piece["nbytes"] for piece in entry["slices"])),
-                         f"{len(entry['slices'])} slice(s) "
-                         + ", ".join(f"{p['start']}:{p['stop']}" for p in entry["slices"][:4])
-                         + (" ..." if len(entry["slices"]) > 4 else "")
+            rows.append((key, entry.dtype, "x".join(map(str, entry.shape)) or "scalar",
+                         _size(entry.nbytes), entry.file))
+        sliced = sorted(index.sliced.items())  # sharded checkpoints: global shapes
+        for key, tensor in sliced:
+            files = {piece.file for piece in tensor.slices}
+            rows.append((key, tensor.dtype, "x".join(map(str, tensor.shape)) or "scalar",
+                         _size(sum(piece.nbytes for piece in tensor.slices)),
+                         f"{len(tensor.slices)} slice(s) "
+                         + ", ".join(f"{p.start}:{p.stop}" for p in tensor.slices[:4])
+                         + (" ..." if len(tensor.slices) > 4 else "")
                          + f" in {len(files)} file(s)"))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         for line in _tied(index):
             print(line)
-        total = sum(entry["nbytes"] for entry in index["tensors"].values())
-        shards = len(index["shards"])
-        summary = f"{len(index['tensors'])} tensors, {_size(total)} in {shards} shard(s)"
-        if index["per_rank"]:
-            own = sum(len(part["tensors"]) for part in index["per_rank"])
-            summary += f"; {own} per-rank tensors in {len(index['per_rank'])} per-rank file(s)"
+        total = sum(entry.nbytes for entry in index.tensors.values())
+        shards = len(index.shards)
+        summary = f"{len(index.tensors)} tensors, {_size(total)} in {shards} shard(s)"
+        if index.per_rank:
+            own = sum(len(part.tensors) for part in index.per_rank)
+            summary += f"; {own} per-rank tensors in {len(index.per_rank)} per-rank file(s)"
         if sliced:
-            total = sum(p["nbytes"] for _, e in sliced for p in e["slices"])
+            total = sum(p.nbytes for _, e in sliced for p in e.slices)
             summary = (f"{len(sliced)} sharded tensors, {_size(total)} in {shards} file(s), "
                        "rows along dimension 0")
         print(summary)
 
 
-def _tied(index: dict) -> list[str]:
+def _tied(index: CheckpointIndex) -> list[str]:
     """Lines naming the datasets stored once for several keys (tied weights), with the keys."""
     lines = []
-    for component, document in index["components"].items():
+    for component, document in index.components.items():
         uses: collections.Counter[str] = collections.Counter()
         tree = unflatten(document, lambda name, kind, uses=uses: uses.update([name]) or name)
         for name, count in uses.items():
@@ -108,8 +109,7 @@ def run_verify(args: argparse.Namespace) -> int:
     for stem in _stems(args.directory, args.stem):
         with CheckpointReader(args.directory, stem) as reader:
             problems += reader.verify()
-            count += len(reader.index["tensors"]) + sum(len(p["tensors"])
-                                                        for p in reader.index["per_rank"])
+            count += sum(1 for _ in reader.index.entries())
             sliced, more = verify_sliced(reader)
             count, problems = count + sliced, problems + more
     for problem in dict.fromkeys(problems):  # a file refused as a whole: said once
@@ -131,10 +131,10 @@ def run_export(args: argparse.Namespace) -> int:
     component = args.component or ("model_0" if stems[0] == "state" else "model")
     for stem in stems:  # the index that holds it (a training checkpoint's model may be sharded)
         with CheckpointReader(args.directory, stem) as reader:
-            if component in reader.index["components"]:
+            if component in reader.index.components:
                 break
     with CheckpointReader(args.directory, stem) as reader:
-        if "sliced" in reader.index:  # a sharded checkpoint: its slices joined
+        if reader.index.is_sharded:  # a sharded checkpoint: its slices joined
             tree = read_full(args.directory, reader.stem, component)
         else:
             tree = reader.component(component)

@@ -133,12 +133,16 @@ def checksum(array: np.ndarray) -> str:
 INDEX_DIGEST = "index_xxh3"
 
 
-def index_digest(index: Mapping[str, Any]) -> str:
+def index_digest(index: Mapping[str, Any], parsed: bool = False) -> str:
     """xxh3-64 of the index without its own digest, as canonical JSON (sorted keys, no spaces,
     after a JSON round trip, so that a written and a read index give the same text): the
     non-tensor state (learning rates, steps, positions) lives only in the index, and a change
-    to it is caught as a change to a tensor's bytes is."""
-    body = json.loads(json.dumps({k: v for k, v in index.items() if k != INDEX_DIGEST}))
+    to it is caught as a change to a tensor's bytes is. `parsed`: the index is as json.loads
+    gave it, which a round trip would not change (it would cost a third of opening a large
+    index)."""
+    body = {k: v for k, v in index.items() if k != INDEX_DIGEST}
+    if not parsed:
+        body = json.loads(json.dumps(body))
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return xxhash.xxh3_64(text.encode("utf-8", "surrogatepass")).hexdigest()
 

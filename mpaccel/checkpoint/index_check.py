@@ -1,8 +1,8 @@
 """The schema a checkpoint index read from disk must have before anything uses it (types,
 ranges, plain file names, extents that fit the files, well-formed state documents: those in
 index_documents.py), once index_scan.py bounded its bytes. Pure functions of bytes and JSON
-values; reader.py does the I/O. Every failure is a CheckpointError naming the file and the field
-(index_fields.py)."""
+values; index_read.py does the I/O, index.py builds the typed index from what passed. Every
+failure is a CheckpointError naming the file and the field (index_fields.py)."""
 
 from __future__ import annotations
 
@@ -44,24 +44,23 @@ def _parse_constant(name: str) -> float:
     return float(name)
 
 
-def parse_index(data: bytes | bytearray, path: str) -> dict[str, Any]:
-    """The checked index in `data` (the whole file, already fed through an IndexScanner)."""
+def decode_index(data: bytes | bytearray, path: str) -> Any:
+    """The JSON document in `data` (the whole file, already fed through an IndexScanner), not
+    yet checked: CheckpointIndex.from_json checks it. Call it under no_collection()."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{path!r} is not UTF-8 text: {exc}", _HINT) from None
-    with _no_collection():
-        try:
-            index = json.loads(text, parse_constant=_parse_constant)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path!r} is not valid JSON: {exc}", _HINT) from exc
-        except ValueError as exc:  # int() under a lower sys.set_int_max_str_digits() than ours
-            raise CheckpointError(f"{path!r}: {exc}", _HINT) from exc
-        return check_index(index, path)
+    try:
+        return json.loads(text, parse_constant=_parse_constant)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path!r} is not valid JSON: {exc}", _HINT) from exc
+    except ValueError as exc:  # int() under a lower sys.set_int_max_str_digits() than ours
+        raise CheckpointError(f"{path!r}: {exc}", _HINT) from exc
 
 
 @contextlib.contextmanager
-def _no_collection() -> Iterator[None]:
+def no_collection() -> Iterator[None]:
     """Python's cyclic garbage collector paused: building and walking an index makes hundreds
     of thousands of objects, none of them garbage, and the collections they set off cost more
     than parsing and checking them."""
@@ -74,10 +73,10 @@ def _no_collection() -> Iterator[None]:
             gc.enable()
 
 
-def check_index(index: Any, path: str) -> dict[str, Any]:
-    """`index` (parsed JSON) if it has the shape of a checkpoint index, else a CheckpointError
-    naming `path` and the field. Unknown fields are left alone (later writers of format version
-    1 may add optional ones)."""
+def check_index(index: Any, path: str) -> None:
+    """Nothing if `index` (parsed JSON) has the shape of a checkpoint index, else a
+    CheckpointError naming `path` and the field. Unknown fields are left alone (later writers
+    of format version 1 may add optional ones)."""
     c = Checker(path)
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{path!r} is not an mpaccel checkpoint index", _HINT)
@@ -122,7 +121,6 @@ def check_index(index: Any, path: str) -> dict[str, Any]:
     _check_extents(c, extents, sizes)
     for name in sizes:  # (after the tensors: an error there names the tensor as well)
         c.name(name, ("file_sizes",))
-    return index
 
 
 def _check_part(

@@ -1,14 +1,14 @@
-"""Opening a checkpoint's index: read through the checks of index_check.py and index_scan.py,
-matched against its own checksum; a missing index explained (an interrupted save, or the other
-kind of checkpoint)."""
+"""Opening a checkpoint's index: read through the checks of index_scan.py, then parsed into a
+CheckpointIndex (index.py: the checks of index_check.py, its own checksum); a missing index
+explained (an interrupted save, or the other kind of checkpoint)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
-from .format import INDEX_DIGEST, CheckpointError, index_digest
-from .index_check import parse_index
+from .format import CheckpointError
+from .index import CheckpointIndex
+from .index_check import decode_index, no_collection
 from .index_scan import MAX_INDEX_BYTES, IndexScanner
 from .shard_check import open_regular
 
@@ -17,7 +17,7 @@ def index_path(directory: str, stem: str) -> str:
     return os.path.join(directory, f"{stem}.index.json")
 
 
-def read_index(directory_fd: int, directory: str, stem: str) -> dict[str, Any]:
+def read_index(directory_fd: int, directory: str, stem: str) -> CheckpointIndex:
     """Not collective. The index `stem`.index.json of the checkpoint `directory` (open as
     `directory_fd`): a regular file of bounded size, read without following links and without
     blocking, nested and sized within bounds, of the index's schema, and matching its checksum
@@ -48,16 +48,8 @@ def read_index(directory_fd: int, directory: str, stem: str) -> dict[str, Any]:
         raise CheckpointError(f"cannot read {path!r}: {exc}") from exc
     finally:
         os.close(fd)
-    index = parse_index(data, path)
-    saved = index.get(INDEX_DIGEST)
-    if saved is not None and saved != index_digest(index):
-        raise CheckpointError(
-            f"{path!r} does not match its checksum: the index (which holds the state's "
-            "non-tensor values: learning rates, steps, positions) was changed after the save, "
-            "or is corrupted",
-            "restore it from a copy, or load an earlier checkpoint.",
-        )
-    return index
+    with no_collection():
+        return CheckpointIndex.from_json(decode_index(data, path), path)
 
 
 def no_index(directory: str, stem: str) -> CheckpointError:

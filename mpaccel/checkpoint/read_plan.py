@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .format import dtype_name, to_numpy
+from .index import TensorEntry
 
 
 class Deferred:
@@ -20,10 +21,10 @@ class Deferred:
     they were read into)."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[str, Mapping[str, Any], np.ndarray, bool, Any]] = []
+        self.items: list[tuple[str, TensorEntry, np.ndarray, bool, Any]] = []
 
 
-def writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:
+def writable_view(tensor: Any, entry: TensorEntry) -> np.ndarray | None:
     """A numpy view of `tensor`'s memory if the entry's bytes can be read straight into it
     (None for anything else: GPU, sparse, non-contiguous or uninitialized lazy tensors...)."""
     if not isinstance(tensor, torch.Tensor) or torch.nn.parameter.is_lazy(tensor):
@@ -33,8 +34,8 @@ def writable_view(tensor: Any, entry: Mapping[str, Any]) -> np.ndarray | None:
             tensor.device.type != "cpu"
             or tensor.layout != torch.strided
             or not tensor.is_contiguous()
-            or dtype_name(tensor.dtype) != entry["dtype"]
-            or list(tensor.shape) != entry["shape"]
+            or dtype_name(tensor.dtype) != entry.dtype
+            or tuple(tensor.shape) != entry.shape
         ):
             return None
         view = to_numpy(tensor)
@@ -57,16 +58,16 @@ def claim(claimed: list[tuple[int, int]], view: np.ndarray) -> bool:
     return True
 
 
-def checksum_owners(entries: Mapping[str, Mapping[str, Any]], count: int) -> dict[str, int]:
+def checksum_owners(entries: Mapping[str, TensorEntry], count: int) -> dict[str, int]:
     """{key: which of `count` readers verifies it}: the tensors in file order (file, offset),
     cut into `count` runs of about equal bytes; a tensor belongs to the run holding its middle
     byte. By bytes, not by number of tensors: a model's few large matrices and many small
     vectors would otherwise leave one reader hashing most of the data while the others wait."""
-    order = sorted(entries, key=lambda k: (entries[k]["file"], entries[k].get("offset") or 0, k))
-    total = sum(int(entries[k].get("nbytes", 0)) for k in order)
+    order = sorted(entries, key=lambda k: (entries[k].file, entries[k].offset or 0, k))
+    total = sum(entries[k].nbytes for k in order)
     owners, start = {}, 0
     for key in order:
-        size = int(entries[key].get("nbytes", 0))
+        size = entries[key].nbytes
         middle = start + size / 2
         owners[key] = min(count - 1, int(middle * count / total)) if total else 0
         start += size

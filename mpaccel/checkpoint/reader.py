@@ -23,6 +23,7 @@ from .format import (
     storage_dtype,
     unflatten,
 )
+from .index import TensorEntry
 from .index_fields import plain_name
 from .index_read import read_index
 from .read_plan import Deferred, checksum_owners, claim, writable_view
@@ -60,7 +61,7 @@ class CheckpointReader:
         self._files: dict[str, h5py.File] = {}
         self._raw_fds: dict[str, int] = {}  # every file's descriptor, checked (see _fd)
         self._sizes: dict[str, int] = {}  # their real sizes
-        self._by_file: dict[str, list[tuple[str, Mapping[str, Any]]]] | None = None
+        self._by_file: dict[str, list[tuple[str, TensorEntry]]] | None = None
         self._refused: dict[str, tuple[str, str | None]] = {}  # files check_file refused
 
     def close(self) -> None:
@@ -82,7 +83,7 @@ class CheckpointReader:
 
     @property
     def world_size(self) -> int:
-        return int(self.index["world_size"])
+        return self.index.world_size
 
     def opened(self, name: str) -> tuple[int, int]:
         """(descriptor, real size) of the checkpoint's file `name`, opened and checked on first
@@ -165,16 +166,16 @@ class CheckpointReader:
             return repr(keys[0]) if keys else "no tensor"
         return f"{keys[0]!r} and {len(keys) - 1} other tensor(s)"
 
-    def _entries_in(self, name: str) -> list[tuple[str, Mapping[str, Any]]]:
+    def _entries_in(self, name: str) -> list[tuple[str, TensorEntry]]:
         """(key, entry) of every tensor the index places in file `name`."""
         if self._by_file is None:
             self._by_file = {}
-            for part in [self.index["tensors"], *(p["tensors"] for p in self.index["per_rank"])]:
+            for part in [self.index.tensors, *(p.tensors for p in self.index.per_rank)]:
                 for key, entry in part.items():
-                    self._by_file.setdefault(entry["file"], []).append((key, entry))
+                    self._by_file.setdefault(entry.file, []).append((key, entry))
         return self._by_file.get(name, [])
 
-    def _raw(self, entry: Mapping[str, Any]) -> tuple[int, int, np.dtype] | None:
+    def _raw(self, entry: TensorEntry) -> tuple[int, int, np.dtype] | None:
         """(descriptor, offset, dtype) to read the entry's bytes without HDF5, where the index
         vouches for them: it recorded the dataset's offset, and the file has the size the index
         recorded (a file rewritten by another tool, e.g. h5repack, has moved its data and is read
@@ -182,30 +183,28 @@ class CheckpointReader:
         the file, before the data streams. Called for every item before any is read: every
         file is opened and checked here, and one read through HDF5 has all its datasets
         checked here (_file)."""
-        offset, name = entry.get("offset"), entry["file"]
-        dtype = storage_dtype(entry["dtype"])
+        offset, name = entry.offset, entry.file
+        dtype = storage_dtype(entry.dtype)
         fd = self._fd(name)
-        if offset is None or dtype is None or self._sizes[name] != self.index.get(
-            "file_sizes", {}
-        ).get(name):
+        if offset is None or dtype is None or self._sizes[name] != self.index.file_sizes.get(name):
             self._file(name)
             return None
         return fd, int(offset), dtype
 
-    def _verify(self, key: str, array: np.ndarray, entry: Mapping[str, Any]) -> None:
+    def _verify(self, key: str, array: np.ndarray, entry: TensorEntry) -> None:
         self._verify_digest(key, checksum(array), entry)
 
-    def _verify_digest(self, key: str, digest: str, entry: Mapping[str, Any]) -> None:
-        if digest != entry["xxh3"]:
+    def _verify_digest(self, key: str, digest: str, entry: TensorEntry) -> None:
+        if digest != entry.xxh3:
             raise CheckpointError(
-                f"checksum mismatch for {key!r} in {self._path(entry['file'])!r}: the file is "
+                f"checksum mismatch for {key!r} in {self._path(entry.file)!r}: the file is "
                 "corrupted",
                 "restore the file from a copy, or load an earlier checkpoint.",
             )
 
     def read_arrays(
         self,
-        wanted: list[tuple[str, Mapping[str, Any], np.ndarray | None, bool]],
+        wanted: list[tuple[str, TensorEntry, np.ndarray | None, bool]],
         follow: bool = False,
         defer: Deferred | None = None,
     ) -> dict[str, np.ndarray]:
@@ -224,7 +223,7 @@ class CheckpointReader:
         watch, opened = rawio.current_watch(), set()
         placed = []
         for item in wanted:  # each file opened once
-            name = item[1]["file"]
+            name = item[1].file
             if name in opened:
                 placed.append((item, self._raw(item[1])))
                 continue
@@ -241,7 +240,7 @@ class CheckpointReader:
                 except CheckpointError:
                     raise
                 except Exception as exc:
-                    path = self._path(entry["file"])
+                    path = self._path(entry.file)
                     raise CheckpointError(f"cannot read {key!r} from {path!r}: {exc}") from exc
                 if task is not None:
                     tasks.append(task)
@@ -262,14 +261,14 @@ class CheckpointReader:
                 continue
             fd, offset = source
             check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
-            tasks.append(rawio.ReadTask(key, self._path(entry["file"]), fd, offset, dest, check))
+            tasks.append(rawio.ReadTask(key, self._path(entry.file), fd, offset, dest, check))
         if tasks:
             rawio.read_arrays(tasks, _read_error, follow=follow)
 
     def _read_one(
         self,
         key: str,
-        entry: Mapping[str, Any],
+        entry: TensorEntry,
         dest: np.ndarray | None,
         verify: bool,
         raw: tuple[int, int, np.dtype] | None,
@@ -280,21 +279,21 @@ class CheckpointReader:
         """One item of read_arrays (`raw`: what _raw() said of it): puts its array in `out` and
         returns the rawio task that fills it (or, deferred, only checks it), or reads it here
         (through h5py, or empty) and returns None."""
-        path = self._path(entry["file"])
+        path = self._path(entry.file)
         offset: int | None
         if raw is not None:
             fd, offset, dtype = raw
-            shape: tuple[int, ...] = tuple(entry["shape"])
-            if int(np.prod(shape)) * dtype.itemsize != entry["nbytes"]:
+            shape: tuple[int, ...] = entry.shape
+            if int(np.prod(shape)) * dtype.itemsize != entry.nbytes:
                 raise CheckpointError(
                     f"the index of {self.directory!r} contradicts itself for {key!r}: "
-                    f"{entry['nbytes']} bytes of {entry['dtype']} {list(shape)}"
+                    f"{entry.nbytes} bytes of {entry.dtype} {list(shape)}"
                 )
         else:
-            ds = self._file(entry["file"])[key]
-            if list(ds.shape) != entry["shape"]:
+            ds = self._file(entry.file)[key]
+            if tuple(ds.shape) != entry.shape:
                 raise CheckpointError(
-                    f"{path!r}: {key!r} has shape {ds.shape}, index says {entry['shape']}"
+                    f"{path!r}: {key!r} has shape {ds.shape}, index says {list(entry.shape)}"
                 )
             fd, offset, dtype, shape = -1, self._h5_offset(ds), ds.dtype, ds.shape
         if (
@@ -309,7 +308,7 @@ class CheckpointReader:
         out[key] = dest
         check = (lambda a, k=key, e=entry: self._verify(k, a, e)) if verify else None
         if offset is not None and dest.size and fd < 0:
-            fd = self._file(entry["file"]).id.get_vfd_handle()  # HDF5's own descriptor
+            fd = self._file(entry.file).id.get_vfd_handle()  # HDF5's own descriptor
         if defer is not None and dest.size:
             if offset is None:  # through h5py: into new memory now, copied in by fill()
                 copy = np.empty(shape, dtype=dtype)
@@ -349,14 +348,14 @@ class CheckpointReader:
             return ds.id.get_offset()
         return None
 
-    def read_array(self, key: str, entry: Mapping[str, Any], verify: bool = True) -> np.ndarray:
+    def read_array(self, key: str, entry: TensorEntry, verify: bool = True) -> np.ndarray:
         return self.read_arrays([(key, entry, None, verify)])[key]
 
     def tensor(self, key: str, verify: bool = True) -> Any:
-        entry = self.index["tensors"].get(key)
+        entry = self.index.tensors.get(key)
         if entry is None:
             raise CheckpointError(f"{self.directory!r} has no tensor {key!r}")
-        return self._decode(self.read_array(key, entry, verify), entry["dtype"])
+        return self._decode(self.read_array(key, entry, verify), entry.dtype)
 
     @staticmethod
     def _decode(array: np.ndarray, dtype: str) -> Any:
@@ -365,13 +364,13 @@ class CheckpointReader:
         return from_numpy(array, dtype)
 
     def components(self) -> list[str]:
-        return list(self.index["components"])
+        return list(self.index.components)
 
     def _plan(
         self,
         component: str,
         document: Any,
-        entries: Mapping[str, Any],
+        entries: Mapping[str, TensorEntry],
         into: Any,
         verify: Any,
         claimed: list[tuple[int, int]],
@@ -403,7 +402,7 @@ class CheckpointReader:
         self,
         component: str,
         document: Any,
-        entries: Mapping[str, Any],
+        entries: Mapping[str, TensorEntry],
         arrays: Mapping[str, np.ndarray],
         reuse: Mapping[str, tuple[Any, np.ndarray]],
     ) -> Any:
@@ -411,7 +410,7 @@ class CheckpointReader:
             key = dataset_name(component, name)
             if key in reuse and arrays[key] is reuse[key][1]:
                 return reuse[key][0]  # filled in place
-            return self._decode(arrays[key], entries[key]["dtype"])
+            return self._decode(arrays[key], entries[key].dtype)
 
         return unflatten(document, load)
 
@@ -434,12 +433,12 @@ class CheckpointReader:
         component, keeps the disk streaming. `defer`: the tensors of `into` to be filled in
         place are only checked now (their trees hold them as they are) and filled by
         fill(defer) later: a caller that must change nothing unless everything checks out."""
-        missing = [c for c, _ in requests if c not in self.index["components"]]
+        missing = [c for c, _ in requests if c not in self.index.components]
         if missing:
             raise CheckpointError(
                 f"{self.directory!r} has no {missing[0]!r} (it has {self.components()})"
             )
-        documents, entries = self.index["components"], self.index["tensors"]
+        documents, entries = self.index.components, self.index.tensors
         index, count = self.node_share
         owners = checksum_owners(entries, count)
 
@@ -458,8 +457,8 @@ class CheckpointReader:
         }
 
     def rank_component(self, rank: int, component: str, verify: bool = True) -> Any:
-        part = self.index["per_rank"][rank]
-        document, entries = part["components"][component], part["tensors"]
+        part = self.index.per_rank[rank]
+        document, entries = part.components[component], part.tensors
         wanted, reuse = self._plan(component, document, entries, None, lambda key: verify, [])
         return self._build(component, document, entries, self.read_arrays(wanted), reuse)
 
@@ -467,9 +466,9 @@ class CheckpointReader:
         """Check every tensor's checksum, and that HDF5 places it where the index does; returns
         the problems found (empty: all good)."""
         problems = []
-        entries = list(self.index["tensors"].items())
-        for part in self.index["per_rank"]:
-            entries.extend(part["tensors"].items())
+        entries = list(self.index.tensors.items())
+        for part in self.index.per_rank:
+            entries.extend(part.tensors.items())
         for key, entry in entries:
             try:
                 self._check_layout(key, entry)
@@ -478,17 +477,17 @@ class CheckpointReader:
                 problems.append(str(exc))
         return problems
 
-    def _check_layout(self, key: str, entry: Mapping[str, Any]) -> None:
+    def _check_layout(self, key: str, entry: TensorEntry) -> None:
         """Where loads read the entry's bytes at the index's offset, check that HDF5 agrees."""
         if self._raw(entry) is None:
             return
-        ds = self._file(entry["file"])[key]
+        ds = self._file(entry.file)[key]
         found = (self._h5_offset(ds), list(ds.shape), ds.dtype)
-        if found != (entry["offset"], entry["shape"], storage_dtype(entry["dtype"])):
+        if found != (entry.offset, list(entry.shape), storage_dtype(entry.dtype)):
             raise CheckpointError(
-                f"{self._path(entry['file'])!r}: HDF5 has {key!r} at offset {found[0]} as "
-                f"{found[2]} {found[1]}, the index says offset {entry['offset']}, "
-                f"{entry['dtype']} {entry['shape']}",
+                f"{self._path(entry.file)!r}: HDF5 has {key!r} at offset {found[0]} as "
+                f"{found[2]} {found[1]}, the index says offset {entry.offset}, "
+                f"{entry.dtype} {list(entry.shape)}",
                 "the file was changed after the save; restore it, or load an earlier checkpoint.",
             )
 

@@ -7,13 +7,14 @@ import errno
 import math
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import h5py
 import numpy as np
 
 from .format import CheckpointError, _numpy_storable, storage_dtype
+from .index import TensorEntry
 from .index_fields import plain_name
 
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer forever. On a regular file it
@@ -96,7 +97,7 @@ def descriptor_path(fd: int) -> str:
 
 
 def check_file(
-    f: h5py.File, path: str, size: int, entries: Sequence[tuple[str, Mapping[str, Any]]]
+    f: h5py.File, path: str, size: int, entries: Sequence[tuple[str, TensorEntry]]
 ) -> None:
     """Check, from HDF5's metadata alone, every dataset the index places in the file: a dataset
     of this very file reached through hard links, of the index's dtype, shape and size, its
@@ -157,7 +158,7 @@ def _open(group: Any, name: str, path: str, key: str) -> Any:
 
 
 def _check_dataset(
-    ds: h5py.h5d.DatasetID, path: str, key: str, entry: Mapping[str, Any], size: int
+    ds: h5py.h5d.DatasetID, path: str, key: str, entry: TensorEntry, size: int
 ) -> list[tuple[int, int]]:
     """The extents (offset, bytes) of the dataset's data in the file, once it passed the checks
     of check_file."""
@@ -175,21 +176,22 @@ def _check_dataset(
     if ds.get_type().get_class() in (h5py.h5t.VLEN, h5py.h5t.REFERENCE) or ds.dtype.hasobject:
         raise refuse(f"is of a variable-length or reference type ({ds.dtype}), which mpaccel "
                      "never writes")
-    expected = _expected_dtype(entry["dtype"])
+    expected = _expected_dtype(entry.dtype)
     agrees = ds.dtype == expected if expected is not None else _numpy_storable(ds.dtype)
     if not agrees:
-        raise refuse(f"is {ds.dtype}, the index says {entry['dtype']}")
+        raise refuse(f"is {ds.dtype}, the index says {entry.dtype}")
     space = ds.get_space()
     shape = largest = None
     if space.get_simple_extent_type() != h5py.h5s.NULL:
         shape = space.get_simple_extent_dims()
         largest = tuple(None if d == h5py.h5s.UNLIMITED else d
                         for d in space.get_simple_extent_dims(True))
-    if shape is None or list(shape) != entry["shape"] or largest != shape:
-        raise refuse(f"has shape {shape} (at most {largest}), the index says {entry['shape']}")
+    if shape is None or tuple(shape) != entry.shape or largest != shape:
+        raise refuse(f"has shape {shape} (at most {largest}), the index says "
+                     f"{list(entry.shape)}")
     nbytes = math.prod(shape) * ds.dtype.itemsize
-    if nbytes != entry["nbytes"]:
-        raise refuse(f"holds {nbytes} bytes, the index says {entry['nbytes']}")
+    if nbytes != entry.nbytes:
+        raise refuse(f"holds {nbytes} bytes, the index says {entry.nbytes}")
     if dcpl.get_nfilters():
         filters = [dcpl.get_filter(i) for i in range(dcpl.get_nfilters())]
         names = [name.decode(errors="replace") or str(code) for code, _, _, name in filters]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -31,13 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._version import __version__
 from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .format import (
-    FORMAT_NAME,
-    SHARDED_FORMAT_VERSION,
     CheckpointCollectiveError,
     CheckpointError,
     checksum,
@@ -47,6 +43,7 @@ from .format import (
     flatten,
     to_numpy,
 )
+from .index import CheckpointIndex, SlicedTensor
 from .storage import (
     check_same_on_every_rank,
     commit_index,
@@ -196,16 +193,16 @@ def _write_rank_file(path: str, local: LocalState) -> tuple[dict[str, dict], int
     slices = {}
     for key, array in local.arrays.items():
         entry = entries[key]
-        if "offset" not in entry:
+        if entry.offset is None:
             raise CheckpointError(f"HDF5 gave {key!r} no contiguous storage in {path!r}")
         per_block = rows_per_block(array)
-        digests = block_digests(array, per_block) if array.ndim else [entry["xxh3"]]
+        digests = block_digests(array, per_block) if array.ndim else [entry.xxh3]
         if len(digests) == 1:
-            digests = [entry["xxh3"]]
+            digests = [entry.xxh3]
         rows = local.rows[key]
         slices[key] = {
-            "file": entry["file"], "start": rows.start, "stop": rows.stop,
-            "offset": entry["offset"], "nbytes": entry["nbytes"],
+            "file": entry.file, "start": rows.start, "stop": rows.stop,
+            "offset": entry.offset, "nbytes": entry.nbytes,
             "rows_per_block": per_block, "xxh3": digests,
         }
     return slices, size
@@ -228,7 +225,7 @@ def _coverage_error(key: str, shape: list[int], slices: list[dict]) -> str | Non
 def build_index(
     comm_size: int, stem: str, save_id: str, local: LocalState,
     gathered: list[tuple[dict[str, dict], dict[str, int]]], metadata: Mapping[str, Any],
-) -> dict[str, Any]:
+) -> CheckpointIndex:
     sliced: dict[str, dict] = {
         key: {"dtype": local.dtypes[key], "shape": list(rows.shape), "slices": []}
         for key, rows in sorted(local.rows.items())
@@ -250,22 +247,17 @@ def build_index(
             "every rank must save the same fully_shard model and optimizer, on one device mesh "
             "spanning all ranks.",
         )
-    return {
-        "format": FORMAT_NAME,
-        "format_version": SHARDED_FORMAT_VERSION,
-        "stem": stem,
-        "save_id": save_id,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "mpaccel_version": __version__,
-        "world_size": comm_size,
-        "metadata": {"kind": "sharded", **dict(metadata)},
-        "components": local.documents,
-        "tensors": {},
-        "sliced": sliced,
-        "shards": sorted(sizes),
-        "per_rank": [],
-        "file_sizes": sizes,
-    }
+    return CheckpointIndex.new(
+        stem=stem,
+        save_id=save_id,
+        world_size=comm_size,
+        metadata={"kind": "sharded", **dict(metadata)},
+        components=local.documents,
+        tensors={},
+        sliced={key: SlicedTensor.from_json(entry) for key, entry in sliced.items()},
+        shards=tuple(sorted(sizes)),
+        file_sizes=sizes,
+    )
 
 
 def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
@@ -295,7 +287,7 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
     # Only rank 0 writes the index: the others send it their slice entries and hold no one
     # else's (an allgather, or a broadcast of the index, would give every rank all n x T).
     gathered = comm.gather((slices, sizes), what=what)
-    index: dict[str, Any] | None = None
+    index: CheckpointIndex | None = None
     error: BaseException | None = None
     if comm.rank == 0:
         try:
@@ -305,7 +297,7 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
             error = exc
     commit_index(comm, directory, stem, what, limit, index, error, written, keep)
     if index is not None:
-        return index
+        return index.to_json()
     return CommittedIndex(directory, stem, save_id)
 
 

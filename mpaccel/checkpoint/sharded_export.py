@@ -17,7 +17,6 @@ the save are removed.
 
 from __future__ import annotations
 
-import datetime
 import os
 import uuid
 from collections.abc import Mapping
@@ -27,17 +26,16 @@ import h5py
 import numpy as np
 import xxhash
 
-from .._version import __version__
 from ..comm import Comm, agreement
 from . import rawio
 from .error_keeping_file import ErrorKeepingFile
 from .format import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     CheckpointCollectiveError,
     checksum,
     parse_size,
 )
+from .index import CheckpointIndex, TensorEntry
 from .sharded import LocalState, collect_local, row_count
 from .storage import (
     check_same_on_every_rank,
@@ -99,7 +97,7 @@ def _write_rows(paths: dict[str, str], placed: Mapping[str, tuple[str, int | Non
 
 
 def _finish(path: str, final: str, keys: list[str], offsets: Mapping[str, int | None],
-            local: LocalState) -> tuple[dict[str, dict], int]:
+            local: LocalState) -> tuple[dict[str, TensorEntry], int]:
     """Checksum every tensor of the file as written (read back), then rename it into place."""
     digests: dict[str, str] = {}
     tasks = []
@@ -124,14 +122,11 @@ def _finish(path: str, final: str, keys: list[str], offsets: Mapping[str, int | 
         os.close(fd)
     os.replace(path, final)
     name = os.path.basename(final)
-    entries: dict[str, dict] = {}
-    for key in keys:
-        entry: dict[str, Any] = {"file": name, "dtype": local.dtypes[key],
-                                 "shape": list(local.rows[key].shape),
-                                 "nbytes": _nbytes(local, key), "xxh3": digests[key]}
-        if offsets[key] is not None:
-            entry["offset"] = offsets[key]
-        entries[key] = entry
+    entries = {
+        key: TensorEntry(file=name, dtype=local.dtypes[key], shape=tuple(local.rows[key].shape),
+                         nbytes=_nbytes(local, key), xxh3=digests[key], offset=offsets[key])
+        for key in keys
+    }
     return entries, size
 
 
@@ -180,7 +175,7 @@ def export_full(
     write_step(comm, what, "writing rows", limit, lambda: _write_rows(paths, placed, local),
                written)
 
-    entries: dict[str, dict] = {}
+    entries: dict[str, TensorEntry] = {}
     sizes: dict[str, int] = {}
 
     def finish() -> None:
@@ -192,25 +187,20 @@ def export_full(
 
     write_step(comm, what, "checksumming the files", limit, finish, written)
     gathered = comm.allgather((entries, sizes), what=what)
-    index: dict[str, Any] | None = None
+    index: CheckpointIndex | None = None
     if comm.rank == 0:
         tensors = {k: v for part, _ in gathered for k, v in part.items()}
-        index = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "stem": MODEL_STEM,
-            "save_id": save_id,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "mpaccel_version": __version__,
-            "world_size": comm.size,
-            "metadata": {"kind": "model"},
-            "components": local.documents,
-            "tensors": {k: tensors[k] for k in keys},
-            "shards": sorted(names),
-            "per_rank": [],
-            "file_sizes": {n: s for _, part in gathered for n, s in part.items()},
-        }
+        index = CheckpointIndex.new(
+            stem=MODEL_STEM,
+            save_id=save_id,
+            world_size=comm.size,
+            metadata={"kind": "model"},
+            components=local.documents,
+            tensors={k: tensors[k] for k in keys},
+            shards=tuple(sorted(names)),
+            file_sizes={n: s for _, part in gathered for n, s in part.items()},
+        )
     commit_index(comm, directory, MODEL_STEM, what, limit, index, None, written)
-    result = comm.bcast(index, what=what)
+    result = comm.bcast(index.to_json() if index is not None else None, what=what)
     assert result is not None
     return result

@@ -36,6 +36,7 @@ from .format import (
     storage_dtype,
     unflatten,
 )
+from .index import RowSlice, SlicedTensor, TensorEntry
 from .reader import CheckpointReader
 from .sharded import SHARDED_STEM, Rows, localize, row_count
 
@@ -52,7 +53,7 @@ class _Item:
     `target` (the local tensor of a DTensor, a plain tensor, or None: a new tensor)."""
 
     key: str
-    entry: Mapping[str, Any]
+    entry: TensorEntry | SlicedTensor
     start: int
     stop: int
     out: np.ndarray
@@ -72,11 +73,11 @@ def _names(document: Any) -> set[str]:
     return names
 
 
-def _stored(entry: Mapping[str, Any], key: str) -> np.dtype:
-    dtype = storage_dtype(entry["dtype"])
+def _stored(entry: TensorEntry | SlicedTensor, key: str) -> np.dtype:
+    dtype = storage_dtype(entry.dtype)
     if dtype is None:
         raise CheckpointError(
-            f"cannot read {key!r} ({entry['dtype']}) in part: its dtype is known only to its file",
+            f"cannot read {key!r} ({entry.dtype}) in part: its dtype is known only to its file",
             "load it with mpaccel.checkpoint.CheckpointReader instead.",
         )
     return dtype
@@ -87,15 +88,15 @@ def plan(reader: CheckpointReader, target: Mapping[str, Any]) -> Plan:
     target must be in it with the same global shape. Tensors of the checkpoint that the target
     lacks are read whole into new memory."""
     index, out = reader.index, Plan()
-    sliced = index.get("sliced", {})
+    sliced = index.sliced
     where = reader.directory
     for component, tree in target.items():
-        if component not in index["components"]:
+        if component not in index.components:
             raise CheckpointError(
-                f"{where!r} has no {component!r} (it holds {sorted(index['components'])!r})",
+                f"{where!r} has no {component!r} (it holds {sorted(index.components)!r})",
                 "name the components as they were saved.",
             )
-        document = out.documents[component] = index["components"][component]
+        document = out.documents[component] = index.components[component]
         local_tree, dtensors = localize(tree, component)
         _, tensors = flatten(local_tree, component)
         saved = _names(document)
@@ -108,33 +109,33 @@ def plan(reader: CheckpointReader, target: Mapping[str, Any]) -> Plan:
                     "load into the model and optimizer that were saved (an optimizer that has "
                     "not stepped has no state to load into: leave it out, or step it first).",
                 )
-            entry = sliced.get(key) or index["tensors"][key]
+            entry = sliced.get(key) or index.tensors[key]
             held = dtensors.get(id(value))
             rows = held[0] if held is not None else Rows(
                 0, row_count(value.shape), tuple(value.shape), True)
-            if list(rows.shape) != list(entry["shape"]):
+            if list(rows.shape) != list(entry.shape):
                 raise CheckpointError(
                     f"{key!r} has shape {list(rows.shape)} in the state to load and "
-                    f"{entry['shape']} in the checkpoint {where!r}",
+                    f"{list(entry.shape)} in the checkpoint {where!r}",
                     "load into a model built as the saved one was (same configuration).",
                 )
             if not isinstance(value, torch.Tensor):
                 value = None  # a numpy array: read into new memory
             originals[name] = held[1] if held is not None else value
-            local_shape = value.shape if value is not None else tuple(entry["shape"])
+            local_shape = value.shape if value is not None else entry.shape
             out.items.append(_Item(key, entry, rows.start, rows.stop,
                                    np.empty(local_shape, _stored(entry, key)), value))
         for name in sorted(saved - set(tensors)):
             key = dataset_name(component, name)
-            entry = sliced.get(key) or index["tensors"][key]
-            shape = tuple(entry["shape"])
+            entry = sliced.get(key) or index.tensors[key]
+            shape = entry.shape
             out.items.append(_Item(key, entry, 0, row_count(shape),
                                    np.empty(shape, _stored(entry, key)), None))
     return out
 
 
-def _row_bytes(entry: Mapping[str, Any], dtype: np.dtype) -> int:
-    shape = entry["shape"]
+def _row_bytes(entry: TensorEntry | SlicedTensor, dtype: np.dtype) -> int:
+    shape = entry.shape
     return int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
 
 
@@ -146,7 +147,7 @@ def _file(reader: CheckpointReader, name: str) -> int:
     """The checked descriptor of `name`, which must have the size the index recorded (its
     offsets are then within it: index_check)."""
     fd, real = reader.opened(name)
-    size = reader.index.get("file_sizes", {}).get(name)
+    size = reader.index.file_sizes.get(name)
     if real != size:
         raise CheckpointError(
             f"{reader.path(name)!r} holds {real} bytes, the index says {size}",
@@ -160,18 +161,19 @@ def _slice_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
     each is verified against its own checksum), then copying its rows into item.out."""
     tasks = []
     row_bytes = _row_bytes(item.entry, item.out.dtype)
-    for piece in item.entry["slices"]:
-        low, high = max(item.start, piece["start"]), min(item.stop, piece["stop"])
+    assert isinstance(item.entry, SlicedTensor)
+    for piece in item.entry.slices:
+        low, high = max(item.start, piece.start), min(item.stop, piece.stop)
         if low >= high:
             continue
-        per_block = piece["rows_per_block"]
-        first = (low - piece["start"]) // per_block
-        last = -(-(high - piece["start"]) // per_block)
-        begin = piece["start"] + first * per_block
-        end = min(piece["stop"], piece["start"] + last * per_block)
-        path = reader.path(piece["file"])
-        fd = _file(reader, piece["file"])
-        offset = piece["offset"] + (begin - piece["start"]) * row_bytes
+        per_block = piece.rows_per_block
+        first = (low - piece.start) // per_block
+        last = -(-(high - piece.start) // per_block)
+        begin = piece.start + first * per_block
+        end = min(piece.stop, piece.start + last * per_block)
+        path = reader.path(piece.file)
+        fd = _file(reader, piece.file)
+        offset = piece.offset + (begin - piece.start) * row_bytes
         exact = (begin, end) == (low, high)
         rest = item.out.shape[1:]
         buffer = (_rows_view(item.out, low - item.start, high - item.start) if exact
@@ -184,16 +186,16 @@ def _slice_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
     return tasks
 
 
-def _check_blocks(item: _Item, piece: Mapping[str, Any], first: int, begin: int,
+def _check_blocks(item: _Item, piece: RowSlice, first: int, begin: int,
                   rows: tuple[int, int], exact: bool, path: str, array: np.ndarray) -> None:
     """Verify blocks first.. of a slice read into `array` (from row `begin`); then, unless it
     was read straight into item.out, copy the item's `rows` from it there."""
-    per_block = piece["rows_per_block"]
+    per_block = piece.rows_per_block
     count = 1 if array.ndim == 0 else -(-len(array) // per_block)
     for j in range(count):
         block = array if array.ndim == 0 else array[j * per_block : (j + 1) * per_block]
-        if checksum(block) != piece["xxh3"][first + j]:
-            row = piece["start"] + (first + j) * per_block
+        if checksum(block) != piece.xxh3[first + j]:
+            row = piece.start + (first + j) * per_block
             raise CheckpointError(
                 f"checksum mismatch for {item.key!r} (rows from {row}) in {path!r}: the file "
                 "is corrupted",
@@ -209,47 +211,48 @@ def _whole_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
     """Tasks for a tensor of an ordinary checkpoint: its rows, and, where they are not all of
     it, the whole tensor streamed through the checksum (it has one checksum only)."""
     entry, key = item.entry, item.key
-    total = row_count(entry["shape"])
+    assert isinstance(entry, TensorEntry)
+    total = row_count(entry.shape)
     whole = (item.start, item.stop) == (0, total)
     if not item.out.size:
         return []
-    if entry.get("offset") is None or not _size_recorded(reader, entry["file"]):
+    if entry.offset is None or not _size_recorded(reader, entry.file):
         # no offset the index vouches for (an old file, or one another tool rewrote): HDF5
         # finds the data, and the whole tensor is read to verify it
         array = reader.read_array(key, entry, verify=True)
         item.out[...] = _rows_view(array, item.start, item.stop)
         return []
-    fd = _file(reader, entry["file"])
-    path = reader.path(entry["file"])
+    fd = _file(reader, entry.file)
+    path = reader.path(entry.file)
     row_bytes = _row_bytes(entry, item.out.dtype)
 
     def verify(found: Any) -> None:
         digest = found if isinstance(found, str) else checksum(found)
-        if digest != entry["xxh3"]:
+        if digest != entry.xxh3:
             raise CheckpointError(
                 f"checksum mismatch for {key!r} in {path!r}: the file is corrupted",
                 "restore the file from a copy, or load an earlier checkpoint.",
             )
 
-    offset = entry["offset"] + item.start * row_bytes
+    offset = entry.offset + item.start * row_bytes
     if whole:
         return [rawio.ReadTask(key, path, fd, offset, item.out, verify)]
     return [
         rawio.ReadTask(key, path, fd, offset, item.out, None),
-        rawio.ReadTask(key, path, fd, entry["offset"], None, verify, entry["nbytes"],
+        rawio.ReadTask(key, path, fd, entry.offset, None, verify, entry.nbytes,
                        xxhash.xxh3_64),
     ]
 
 
 def _size_recorded(reader: CheckpointReader, name: str) -> bool:
-    return reader.opened(name)[1] == reader.index.get("file_sizes", {}).get(name)
+    return reader.opened(name)[1] == reader.index.file_sizes.get(name)
 
 
 def read_plan(reader: CheckpointReader, planned: Plan) -> None:
     """Read and verify every item into its new memory (item.out). Not collective."""
     tasks: list[rawio.ReadTask] = []
     for item in planned.items:
-        if "slices" in item.entry:
+        if isinstance(item.entry, SlicedTensor):
             tasks += _slice_tasks(reader, item)
         else:
             tasks += _whole_tasks(reader, item)
@@ -263,7 +266,7 @@ def apply(planned: Plan) -> dict[str, Any]:
     loaded: dict[str, Any] = {}
     for item in planned.items:
         component, _, _ = item.key.partition("/")
-        tensor = from_numpy(item.out, item.entry["dtype"]) if not item.entry["dtype"].startswith(
+        tensor = from_numpy(item.out, item.entry.dtype) if not item.entry.dtype.startswith(
             "numpy.") else item.out
         if item.target is not None and isinstance(tensor, torch.Tensor):
             with torch.no_grad():
@@ -326,10 +329,10 @@ def read_full(directory: str, stem: str, component: str) -> Any:
 def verify_sliced(reader: CheckpointReader) -> tuple[int, list[str]]:
     """Check every slice of every sliced tensor (all its blocks): (tensors, problems)."""
     problems: list[str] = []
-    sliced = reader.index.get("sliced", {})
+    sliced = reader.index.sliced
     for key, entry in sliced.items():
         try:
-            shape = tuple(entry["shape"])
+            shape = entry.shape
             item = _Item(key, entry, 0, row_count(shape), np.empty(shape, _stored(entry, key)),
                          None)
             tasks = _slice_tasks(reader, item)

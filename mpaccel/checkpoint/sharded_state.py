@@ -207,8 +207,7 @@ class ShardedLoad:
     reads and verifies them, changing nothing; apply() hands them over."""
 
     def __init__(self, objects: TrainingState, state: CheckpointReader) -> None:
-        metadata = state.index.get("metadata", {})
-        self.save_id = metadata.get(SAVE_ID)
+        self.save_id = state.index.metadata.get(SAVE_ID)
         self.directory = state.directory
         # a later save into the directory that did not complete kept this part's index aside
         self.stem = SHARDED_STEM
@@ -220,8 +219,8 @@ class ShardedLoad:
         if self.save_id is not None:
             with CheckpointReader(self.directory, self.stem) as reader:
                 self._check(reader)
-                saved = set(reader.index["components"])
-                sliced = list(reader.index["sliced"])
+                saved = set(reader.index.components)
+                sliced = list(reader.index.sliced)
         self.targets: dict[str, tuple[Any, str]] = {}  # name -> (object, stem)
         for name, obj in [*objects.models.items(), *objects.optimizers.items()]:
             if name in saved:
@@ -247,10 +246,10 @@ class ShardedLoad:
         self.plans: list[Plan] = []
 
     def _check(self, reader: CheckpointReader) -> None:
-        if reader.index.get("save_id") != self.save_id:
+        if reader.index.save_id != self.save_id:
             raise CheckpointError(
                 f"{self.directory!r} holds the sharded part of another save (save id "
-                f"{reader.index.get('save_id')!r}, its state index names {self.save_id!r}): a "
+                f"{reader.index.save_id!r}, its state index names {self.save_id!r}): a "
                 "later save into the same directory was interrupted",
                 "load an earlier checkpoint (automatic checkpoint naming saves each into a "
                 "directory of its own).",

@@ -16,7 +16,6 @@ answering fails the step under the collective timeout, and every rank raises nam
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -30,14 +29,12 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .._version import __version__
 from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .error_keeping_file import ErrorKeepingFile
 from .format import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     INDEX_DIGEST,
     CheckpointCollectiveError,
     CheckpointError,
@@ -49,6 +46,7 @@ from .format import (
     index_digest,
     to_numpy,
 )
+from .index import CheckpointIndex, RankPart, TensorEntry
 
 
 def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes: int | None):
@@ -188,7 +186,7 @@ def contiguous_early() -> h5py.h5p.PropDCID:
 
 def write_h5(
     path: str, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]
-) -> tuple[dict, int]:
+) -> tuple[dict[str, TensorEntry], int]:
     """Write datasets to `path` atomically (temp name, fsync, rename). Returns their index
     entries (with the file offset of each dataset that is its array's bytes in one piece) and
     the file's size.
@@ -225,18 +223,18 @@ def write_h5(
     finally:
         sink.close()
     os.replace(partial, path)
+    name = os.path.basename(path)
     entries = {
-        key: {
-            "file": os.path.basename(path),
-            "dtype": dtypes[key],
-            "shape": list(array.shape),
-            "nbytes": int(array.nbytes),
-            "xxh3": written[key] if key in written else checksum(array),
-        }
+        key: TensorEntry(
+            file=name,
+            dtype=dtypes[key],
+            shape=tuple(array.shape),
+            nbytes=int(array.nbytes),
+            xxh3=written[key] if key in written else checksum(array),
+            offset=offsets.get(key),
+        )
         for key, array in arrays.items()
     }
-    for key, offset in offsets.items():
-        entries[key]["offset"] = offset
     return entries, size
 
 
@@ -286,10 +284,10 @@ def write_checkpoint(
     shards = plan_shards([(k, a.nbytes) for k, a in arrays.items()], comm.size, max_shard_bytes)
     total = len(shards)
     written: list[str] = []
-    entries: dict[str, Any] = {}
+    entries: dict[str, TensorEntry] = {}
     sizes: dict[str, int] = {}
     rank_file: str | None = None
-    rank_entries: dict[str, Any] = {}
+    rank_entries: dict[str, TensorEntry] = {}
 
     def write_mine() -> None:
         nonlocal rank_file, rank_entries
@@ -314,27 +312,23 @@ def write_checkpoint(
         (entries, (rank_file, rank_docs, rank_entries) if per_rank is not None else None, sizes),
         what=what,
     )
-    index: dict[str, Any] = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "stem": stem,
-        "save_id": save_id,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "mpaccel_version": __version__,
-        "world_size": comm.size,
-        "metadata": dict(metadata or {}),
-        "components": documents,
-        "tensors": {k: v for part, _, _ in gathered for k, v in part.items()},
-        "shards": sorted({v["file"] for part, _, _ in gathered for v in part.values()}),
-        "per_rank": [
-            {"file": extra[0], "components": extra[1], "tensors": extra[2]}
+    index = CheckpointIndex.new(
+        stem=stem,
+        save_id=save_id,
+        world_size=comm.size,
+        metadata=dict(metadata or {}),
+        components=documents,
+        tensors={k: v for part, _, _ in gathered for k, v in part.items()},
+        shards=tuple(sorted({v.file for part, _, _ in gathered for v in part.values()})),
+        per_rank=tuple(
+            RankPart(file=extra[0], components=extra[1], tensors=extra[2])
             for _, extra, _ in gathered
             if extra is not None
-        ],
-        "file_sizes": {name: size for _, _, part in gathered for name, size in part.items()},
-    }
+        ),
+        file_sizes={name: size for _, _, part in gathered for name, size in part.items()},
+    )
     commit_index(comm, directory, stem, what, limit, index, None, written)
-    return index
+    return index.to_json()
 
 
 def write_step(comm: Comm, what: str, step: str, limit: float, work: Callable[[], object],
@@ -378,7 +372,7 @@ def create_directory(comm: Comm, directory: str, what: str, limit: float) -> Non
 
 
 def commit_index(comm: Comm, directory: str, stem: str, what: str, limit: float,
-                 index: dict[str, Any] | None, error: BaseException | None,
+                 index: CheckpointIndex | None, error: BaseException | None,
                  written: list[str], keep: str | None = None) -> None:
     """Collective, the last step of every save. Rank 0 writes `index` (built there; `error` if
     it could not be) atomically, syncs the directory and removes files of earlier saves; if
@@ -412,16 +406,17 @@ def commit_index(comm: Comm, directory: str, stem: str, what: str, limit: float,
         raise
 
 
-def write_index(directory: str, stem: str, index: Mapping[str, Any]) -> None:
+def write_index(directory: str, stem: str, index: CheckpointIndex) -> None:
     """Put the index in place atomically (temp file, fsync, rename); if that fails, the temp
     file is removed. The caller fsyncs the directory."""
     final = os.path.join(directory, f"{stem}.index.json")
-    temp = f"{final}.tmp-{index['save_id']}"
-    index = {**index, INDEX_DIGEST: index_digest(index)}
+    temp = f"{final}.tmp-{index.save_id}"
+    document = index.to_json()
+    document[INDEX_DIGEST] = index_digest(document)
     watch = rawio.current_watch()
     try:
         with open(temp, "w") as f, watch.doing(f"writing {temp!r}"):
-            json.dump(index, f, indent=1, allow_nan=False)  # non-finite floats are tagged
+            json.dump(document, f, indent=1, allow_nan=False)  # non-finite floats are tagged
             f.flush()
             os.fsync(f.fileno())
         watch.check()  # a commit given up on (see rawio.within) must not happen behind it
@@ -444,16 +439,16 @@ def delete_checkpoint(directory: str, stem: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def remove_stale(directory: str, stem: str, index: Mapping[str, Any],
+def remove_stale(directory: str, stem: str, index: CheckpointIndex,
                  keep_save: str | None = None) -> None:
     """Remove the files of this stem that the committed index does not name, but those of the
     save `keep_save` (the sharded part that the directory's committed state index still
     names while a second save into it is under way: sharded_state.py). A state index that
     names a sharded part (`metadata.sharded`) supersedes the other sharded parts: theirs go."""
-    keep = set(index["shards"]) | {p["file"] for p in index["per_rank"]}
+    keep = set(index.shards) | {p.file for p in index.per_rank}
     if keep_save is not None:
         keep |= {n for n in os.listdir(directory) if n.startswith(f"{stem}-{keep_save}-")}
-    part = index["metadata"].get("sharded")
+    part = index.metadata.get("sharded")
     if part is not None:
         remove_superseded(directory, "sharded", part)
     # shards and per-rank files of earlier or interrupted saves, and index temp files of

@@ -19,6 +19,7 @@ from .. import distributed
 from ..comm import Comm
 from .format import CheckpointError, view_identity
 from .read_plan import Deferred
+from .reader import CheckpointReader
 from .rng_state import RNG, checked_rng_state, rng_state, set_rng_state
 from .stateful import TrainingState
 
@@ -198,7 +199,7 @@ def _copy_of(state: Any) -> Any:
 
 
 def read_back(
-    objects: TrainingState, reader: Any, rank: int, world: int, strict: bool = True
+    objects: TrainingState, reader: CheckpointReader, rank: int, world: int, strict: bool = True
 ) -> Loaded:
     """Phase 1 of a load, which changes nothing: read every state tree this rank needs and
     verify it, and check every part that can be checked without handing it over (RNG states,
@@ -207,7 +208,7 @@ def read_back(
     their bytes are only verified in the files, and apply_tensors() reads them in once every
     rank agreed. Reading goes on past a failed check; the first error is raised at the end."""
     directory = reader.directory
-    documents = reader.index["components"]
+    documents = reader.index.components
     required = [*objects.models, *objects.optimizers]
     required += [name for name in objects.shared if name not in objects.optional]
     missing = [c for c in required if c not in documents]
@@ -246,7 +247,7 @@ def read_back(
     source = rank if same_world else 0
     # at another world size: rank 0's per-rank Statefuls only (no RNG states, no gradients)
     wanted = {*objects.per_rank, *([RNG, *objects.gradients] if same_world else [])}
-    per_rank = [c for c in reader.index["per_rank"][source]["components"] if c in wanted]
+    per_rank = [c for c in reader.index.per_rank[source].components if c in wanted]
     read(lambda: {f"rank:{c}": reader.rank_component(source, c) for c in per_rank})
     if first:
         raise first[0]
@@ -255,7 +256,7 @@ def read_back(
 
 def _check(
     objects: TrainingState,
-    reader: Any,
+    reader: CheckpointReader,
     trees: dict[str, Any],
     live: dict[str, Any],
     held: Deferred,
@@ -277,7 +278,7 @@ def _check(
     if reader.world_size == world:
         rng = checked_rng_state(trees.get(f"rank:{RNG}"), directory)
     else:
-        if any(c in objects.gradients for c in reader.index["per_rank"][0]["components"]):
+        if any(c in objects.gradients for c in reader.index.per_rank[0].components):
             notes.append(
                 f"{directory!r} was saved mid-accumulation; the partial gradients of "
                 "each process cannot be mapped to another world size and were dropped"
@@ -291,7 +292,7 @@ def _check(
 
 
 def apply_states(
-    objects: TrainingState, loaded: Loaded, reader: Any, rollback: Rollback
+    objects: TrainingState, loaded: Loaded, reader: CheckpointReader, rollback: Rollback
 ) -> None:
     """Phase 2 of a load, once every rank read and checked everything: the states that the
     objects' own code takes (the shared and per-rank Statefuls: their load_state_dict may
@@ -326,7 +327,7 @@ def _same_memory(a: Any, b: torch.Tensor) -> bool:
 def apply_tensors(
     objects: TrainingState,
     loaded: Loaded,
-    reader: Any,
+    reader: CheckpointReader,
     rollback: Rollback,
     fill: Callable[[], Any],
     model_options: dict[str, Any] | None = None,
