@@ -168,18 +168,20 @@ def test_the_failing_ranks_traceback_always_reaches_the_user_once(tmp_path):
 
 def test_ranks_in_collectives_that_cannot_match_fail_in_seconds(tmp_path):
     # A collective inside `if is_main_process:` (check_trigger, an all-reduce): rank 0 waits in
-    # it while the others wait in the next wait_for_everyone. First a slow rank (8 s late,
-    # longer than the probe's 5 s) must not be taken for a diverged one. (save_model there is
-    # Accelerate's idiom and works: tests/test_checkpoint_compat.py.)
+    # it while the others wait in the next wait_for_everyone. First a slow rank (3 s late,
+    # longer than the probe, here 1 s instead of 5 s to spare the test 2 x 9 s of waiting) must
+    # not be taken for a diverged one. (save_model there is Accelerate's idiom and works:
+    # tests/test_checkpoint_compat.py.)
     script = _script(
         tmp_path,
         """
         import sys, time, torch
         from mpaccel import Accelerator
         acc = Accelerator()
+        acc.state.comm.probe_after = 1.0
         model = acc.prepare(torch.nn.Linear(4, 4))
         if acc.is_main_process:
-            time.sleep(8)
+            time.sleep(3)
         acc.wait_for_everyone()
         print("slow rank waited for", flush=True)
         if acc.is_main_process:
