@@ -73,6 +73,7 @@ _PROGRESS_JOB = """
     import threading, torch, torch.distributed as dist
     from mpaccel import PartialState
     state = PartialState(cpu=True)
+    print("ready", flush=True)
     seed = state.comm.bcast(12345 if state.is_main_process else None, what="seed")
     total = torch.ones(1)
     dist.all_reduce(total)
@@ -93,13 +94,17 @@ def test_progress_thread_unblocks_a_manual_progress_mpi(tmp_path):
     _needs_mpich()
     env = {**_MANUAL_PROGRESS, "MPACCEL_MPI_PROGRESS": "1"}
     run = run_mpi([_script(tmp_path, _PROGRESS_JOB)], n=2, timeout=90, env=env).check()
-    assert [line.split() for line in run.stdout] == [["12345", "2", "True"]] * 2, run.describe()
+    assert [out.split() for out in run.stdout] == [["ready", "12345", "2", "True"]] * 2, (
+        run.describe())
 
 
 def test_without_the_progress_thread_that_mpi_hangs(tmp_path):
-    # The set-up above does reproduce the hang: without the thread the job never ends.
+    # The set-up above does reproduce the hang: without the thread the job never ends. Both
+    # ranks got past start-up ("ready"), then took none of the seconds left to the timeout for
+    # what the job above does in milliseconds (the timeout was 30 s, most of it waited out).
     _needs_mpich()
-    run = run_mpi([_script(tmp_path, _PROGRESS_JOB)], n=2, timeout=30, env=_MANUAL_PROGRESS)
+    run = run_mpi([_script(tmp_path, _PROGRESS_JOB)], n=2, timeout=20, env=_MANUAL_PROGRESS)
+    assert [out.split() for out in run.stdout] == [["ready"]] * 2, run.describe()
     assert run.timed_out, (
         "this MPICH no longer hangs in the set-up, so the test above shows nothing: find another "
         "manual-progress set-up (scripts/constraints.txt pins the MPICH that hung)\n"
