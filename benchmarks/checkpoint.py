@@ -757,7 +757,7 @@ def print_table(report: dict[str, Any]) -> None:
     steal = [f"{100 * v:.1f}%" if v is not None else "?" for v in report.get("steal_per_round", [])]
     if steal:
         print(f"CPU steal (hypervisor) per round: {' '.join(steal)}")
-    if report["prefault_gib"]:
+    if report["prefault_seconds"] is not None:  # None with --no-prefault
         print(
             f"\nprefault before each timed step: {report['prefault_gib'][0]:.1f} GiB (mpaccel), "
             f"{report['prefault_gib'][1]:.1f} GiB (others); median "

