@@ -16,9 +16,8 @@ SCRIPT = textwrap.dedent('''
     sys.path.insert(0, TESTS_DIR)
     from test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
     from torch.utils.data import DataLoader
-    import mpaccel.checkpoint as api
     from mpaccel import Accelerator
-    from mpaccel.checkpoint import sharded, storage
+    from mpaccel.checkpoint import api, sharded, storage
     from mpaccel.testing import reset_state
 
     kind, where, mode, directory = sys.argv[1:5]
