@@ -181,6 +181,29 @@ def test_a_corrupted_slice_fails_on_every_rank_and_changes_nothing(group, mpi_tm
     assert_same({k: full(v) for k, v in other.state_dict().items()}, before)
 
 
+def test_a_corrupted_replicated_tensor_fails_and_changes_no_sharded_target(group, mpi_tmp_path):
+    # format 1 into DTensors: each rank verifies the whole tensor in the file, then reads its
+    # rows in place; the damage is in the last rank's rows of the last tensor (found last)
+    plain = build(4, shard=False)
+    index = write_checkpoint(group, str(mpi_tmp_path / "plain"), "state",
+                             {"model_0": plain.state_dict()})
+    entry = index["tensors"]["model_0/2.weight"]
+    if group.rank == 0:
+        with open(mpi_tmp_path / "plain" / entry["file"], "r+b") as f:
+            f.seek(entry["offset"] + entry["nbytes"] - 1)
+            byte = f.read(1)
+            f.seek(entry["offset"] + entry["nbytes"] - 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    group.barrier()
+    model = build(5)
+    before = {k: full(v).clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointCollectiveError,
+                       match=r"checksum mismatch for 'model_0/2\.weight'"):
+        load_sharded(group, mpi_tmp_path / "plain", {"model_0": model.state_dict()},
+                     stem="state")
+    assert_same({k: full(v) for k, v in model.state_dict().items()}, before)
+
+
 def test_export_full_writes_save_model_layout_without_gathering(group, mpi_tmp_path):
     model = build(0)
     model.register_buffer("scale", torch.tensor(2.5))  # 0-d: no storage until written

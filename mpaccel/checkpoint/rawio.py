@@ -322,11 +322,25 @@ def write_arrays(
     return {key: digests[key] for key, _, _ in regions}
 
 
+def page_cache_room() -> int | None:
+    """Bytes the kernel says it could give without swapping (MemAvailable: free memory and the
+    page cache it can reclaim), None where it does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class ReadTask:
     """One tensor to read from (fd, offset). Into `out` (C-contiguous, writable, not empty):
     `check(out)` runs once it is complete (checksum, may raise). Or, with `out` None, only
-    checked: its `nbytes` bytes stream through a small buffer into `digest()` (a new xxh3
-    hasher), and `check(hexdigest)` runs at the end; nothing else is written."""
+    checked: its `nbytes` bytes stream through a small buffer into `digest()` (a new hasher:
+    xxh3, or anything with update() and hexdigest()), and `check(hexdigest())` runs at the
+    end; nothing else is written."""
 
     __slots__ = (
         "_left", "_lock", "check", "digest", "fd", "key", "nbytes", "offset", "out", "path"
@@ -393,8 +407,9 @@ def read_arrays(
         if count < len(view):
             raise OSError(f"the file ends before the data of {task.key!r} (truncated)")
 
-    def stream(task: ReadTask) -> str | None:
-        """The task's bytes, through this thread's buffer, into a hasher: its hex digest."""
+    def stream(task: ReadTask) -> Any:
+        """The task's bytes, through this thread's buffer, into a hasher: its hexdigest()
+        (None when stopped early)."""
         if getattr(buffers, "view", None) is None:
             buffers.view = memoryview(bytearray(STREAM_PIECE))
         assert task.digest is not None
@@ -406,7 +421,7 @@ def read_arrays(
             view = buffers.view[:size]
             read_piece(task, view, task.offset + start)
             hasher.update(view)
-        return str(hasher.hexdigest())
+        return hasher.hexdigest()
 
     def get(item: tuple[ReadTask, int, int]) -> None:
         task, start, size = item

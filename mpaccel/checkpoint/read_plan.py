@@ -5,7 +5,7 @@ which tensor's checksum."""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,11 @@ class Deferred:
 def writable_view(tensor: Any, entry: TensorEntry) -> np.ndarray | None:
     """A numpy view of `tensor`'s memory if the entry's bytes can be read straight into it
     (None for anything else: GPU, sparse, non-contiguous or uninitialized lazy tensors...)."""
+    return writable_as(tensor, entry.dtype, entry.shape)
+
+
+def writable_as(tensor: Any, dtype: str, shape: Sequence[int]) -> np.ndarray | None:
+    """writable_view for bytes of tensor dtype `dtype` and shape `shape` (a DTensor's rows)."""
     if not isinstance(tensor, torch.Tensor) or torch.nn.parameter.is_lazy(tensor):
         return None
     try:
@@ -34,8 +39,8 @@ def writable_view(tensor: Any, entry: TensorEntry) -> np.ndarray | None:
             tensor.device.type != "cpu"
             or tensor.layout != torch.strided
             or not tensor.is_contiguous()
-            or dtype_name(tensor.dtype) != entry.dtype
-            or tuple(tensor.shape) != entry.shape
+            or dtype_name(tensor.dtype) != dtype
+            or tuple(tensor.shape) != tuple(shape)
         ):
             return None
         view = to_numpy(tensor)

@@ -5,11 +5,19 @@ ordinary one, format 1), verifies them, and only then writes them into the targe
 Call sequence of `load_sharded` (collective, every rank, each with its own target):
   1. every rank reads the index (with every check CheckpointReader makes) and matches the target
      against it: a key or global shape that differs is the same error on every rank;
-  2. every rank reads its rows into new memory and verifies them (the blocks of a sliced tensor
-     that hold its rows; the whole tensor's checksum for a tensor of an ordinary checkpoint read
-     in part, streamed through a small buffer); all ranks agree it worked;
-  3. the rows are copied into the target's (local) tensors. A failure before this step leaves
-     every target as it was, on every rank.
+  2. every rank verifies its rows (the blocks of a sliced tensor that hold them; the whole
+     tensor's checksum for a tensor of an ordinary checkpoint) by streaming them from the files
+     through a small buffer into the hashes, nothing else written; all ranks agree it worked;
+  3. every rank reads its rows again, straight into the target's (local) tensors: from the page
+     cache, as a rule, where the first pass left them. A failure before this step leaves every
+     target as it was, on every rank; one in it (a file changed since step 2, an I/O error) is
+     still one error on every rank.
+Step 3 reads in place rather than into new memory and then copying: fresh memory costs 1-3 s
+per GiB on these VMs (page faults), more than the disk. Tensors that cannot be read in place
+(another dtype, not contiguous, memory shared with another target, nothing in the target to
+read into), and all of them where the bytes all ranks read would not fit comfortably in the
+page cache (the second pass would go to the disk again), are read in step 2 into new memory,
+verified there, and copied into the target after step 3.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from .format import (
     unflatten,
 )
 from .index import RowSlice, SlicedTensor, TensorEntry
+from .read_plan import claim, writable_as
 from .reader import CheckpointReader
 from .sharded import SHARDED_STEM, Rows, localize, row_count
 
@@ -50,14 +59,23 @@ def _error(task: rawio.ReadTask, exc: BaseException) -> BaseException:
 @dataclass
 class _Item:
     """One tensor to read: rows [start, stop) of `key` into `out` (new memory), then into
-    `target` (the local tensor of a DTensor, a plain tensor, or None: a new tensor)."""
+    `target` (the local tensor of a DTensor, a plain tensor, or None: a new tensor). Or, with
+    `out` None, verified in the file and then read straight into `into` (a view of target)."""
 
     key: str
     entry: TensorEntry | SlicedTensor
     start: int
     stop: int
-    out: np.ndarray
+    out: np.ndarray | None
     target: torch.Tensor | None
+    into: np.ndarray | None = None
+
+    @property
+    def dest(self) -> np.ndarray:
+        """Where the rows land (for their dtype and shape)."""
+        dest = self.out if self.out is not None else self.into
+        assert dest is not None
+        return dest
 
 
 @dataclass
@@ -83,13 +101,16 @@ def _stored(entry: TensorEntry | SlicedTensor, key: str) -> np.dtype:
     return dtype
 
 
-def plan(reader: CheckpointReader, target: Mapping[str, Any]) -> Plan:
+def plan(reader: CheckpointReader, target: Mapping[str, Any], in_place: bool = False) -> Plan:
     """Match `target` ({component: state tree}) against the checkpoint: every tensor of the
     target must be in it with the same global shape. Tensors of the checkpoint that the target
-    lacks are read whole into new memory."""
+    lacks are read whole into new memory. `in_place`: the target's tensors that allow it are
+    read straight into (by fill_plan, once read_plan verified them); else all go through new
+    memory and apply()."""
     index, out = reader.index, Plan()
     sliced = index.sliced
     where = reader.directory
+    claimed: list[tuple[int, int]] = []  # memory read into in place (tied tensors: once)
     for component, tree in target.items():
         if component not in index.components:
             raise CheckpointError(
@@ -123,8 +144,11 @@ def plan(reader: CheckpointReader, target: Mapping[str, Any]) -> Plan:
                 value = None  # a numpy array: read into new memory
             originals[name] = held[1] if held is not None else value
             local_shape = value.shape if value is not None else entry.shape
+            stored = _stored(entry, key)
+            view = _in_place(value, entry, stored, claimed) if in_place else None
             out.items.append(_Item(key, entry, rows.start, rows.stop,
-                                   np.empty(local_shape, _stored(entry, key)), value))
+                                   None if view is not None else np.empty(local_shape, stored),
+                                   value, view))
         for name in sorted(saved - set(tensors)):
             key = dataset_name(component, name)
             entry = sliced.get(key) or index.tensors[key]
@@ -132,6 +156,32 @@ def plan(reader: CheckpointReader, target: Mapping[str, Any]) -> Plan:
             out.items.append(_Item(key, entry, 0, row_count(shape),
                                    np.empty(shape, _stored(entry, key)), None))
     return out
+
+
+def _in_place(value: torch.Tensor | None, entry: TensorEntry | SlicedTensor, stored: np.dtype,
+              claimed: list[tuple[int, int]]) -> np.ndarray | None:
+    """A view of `value` to read its rows straight into, or None (then new memory)."""
+    if value is None or value.dim() == 0 or not value.numel():
+        return None
+    view = writable_as(value, entry.dtype, value.shape)
+    if view is None or view.dtype != stored or not claim(claimed, view):
+        return None
+    return view
+
+
+def keep_in_cache(planned: Plan, ranks: int) -> None:
+    """Read into new memory instead of in place unless what `ranks` ranks like this one read
+    fits in half the memory the kernel could give the page cache: the in-place read is a second
+    pass, fast only where the first one left the bytes in the cache."""
+    items = [item for item in planned.items if item.into is not None]
+    verified = sum(item.entry.nbytes if isinstance(item.entry, TensorEntry) else item.into.nbytes
+                   for item in items if item.into is not None)
+    room = rawio.page_cache_room()
+    if room is None or verified * ranks <= room // 2:
+        return
+    for item in items:
+        assert item.into is not None
+        item.out, item.into = np.empty(item.into.shape, item.into.dtype), None
 
 
 def _row_bytes(entry: TensorEntry | SlicedTensor, dtype: np.dtype) -> int:
@@ -156,11 +206,25 @@ def _file(reader: CheckpointReader, name: str) -> int:
     return fd
 
 
-def _slice_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
-    """Tasks reading the blocks of each saved slice that overlap the item's rows (whole blocks:
-    each is verified against its own checksum), then copying its rows into item.out."""
-    tasks = []
-    row_bytes = _row_bytes(item.entry, item.out.dtype)
+@dataclass
+class _Span:
+    """The blocks [begin, end) of a saved slice (`piece`) that hold rows [low, high) of an
+    item, at `offset` of file `fd`; `first`: the index of the first block in the slice."""
+
+    piece: RowSlice
+    path: str
+    fd: int
+    offset: int
+    first: int
+    begin: int
+    end: int
+    low: int
+    high: int
+
+
+def _spans(reader: CheckpointReader, item: _Item) -> list[_Span]:
+    spans = []
+    row_bytes = _row_bytes(item.entry, item.dest.dtype)
     assert isinstance(item.entry, SlicedTensor)
     for piece in item.entry.slices:
         low, high = max(item.start, piece.start), min(item.stop, piece.stop)
@@ -171,9 +235,20 @@ def _slice_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
         last = -(-(high - piece.start) // per_block)
         begin = piece.start + first * per_block
         end = min(piece.stop, piece.start + last * per_block)
-        path = reader.path(piece.file)
-        fd = _file(reader, piece.file)
         offset = piece.offset + (begin - piece.start) * row_bytes
+        spans.append(_Span(piece, reader.path(piece.file), _file(reader, piece.file),
+                           offset, first, begin, end, low, high))
+    return spans
+
+
+def _slice_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
+    """Tasks reading the blocks of each saved slice that overlap the item's rows (whole blocks:
+    each is verified against its own checksum), then copying its rows into item.out."""
+    assert item.out is not None
+    tasks = []
+    for span in _spans(reader, item):
+        piece, first, begin, end = span.piece, span.first, span.begin, span.end
+        low, high, path, fd, offset = span.low, span.high, span.path, span.fd, span.offset
         exact = (begin, end) == (low, high)
         rest = item.out.shape[1:]
         buffer = (_rows_view(item.out, low - item.start, high - item.start) if exact
@@ -186,6 +261,75 @@ def _slice_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
     return tasks
 
 
+class _BlockHashes:
+    """A hasher (update, hexdigest) of consecutive blocks of `size` bytes (the last may be
+    shorter): hexdigest() is the list of their xxh3 digests, as format.checksum gives them."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.left = size, size
+        self.done: list[str] = []
+        self.hasher = xxhash.xxh3_64()
+
+    def update(self, data: memoryview) -> None:
+        while len(data):
+            take = min(self.left, len(data))
+            self.hasher.update(data[:take])
+            data, self.left = data[take:], self.left - take
+            if not self.left:
+                self.done.append(self.hasher.hexdigest())
+                self.hasher, self.left = xxhash.xxh3_64(), self.size
+
+    def hexdigest(self) -> list[str]:
+        tail = [self.hasher.hexdigest()] if self.left != self.size else []
+        return self.done + tail
+
+
+def _slice_checks(item: _Item, spans: list[_Span]) -> list[rawio.ReadTask]:
+    """Tasks verifying the blocks of each span in the file (streamed, nothing written)."""
+    tasks = []
+    row_bytes = _row_bytes(item.entry, item.dest.dtype)
+    for span in spans:
+        block = span.piece.rows_per_block * row_bytes
+        check = functools.partial(_check_digests, item, span)
+        tasks.append(rawio.ReadTask(item.key, span.path, span.fd, span.offset, None, check,
+                                    (span.end - span.begin) * row_bytes,
+                                    functools.partial(_BlockHashes, block)))
+    return tasks
+
+
+def _slice_fills(item: _Item, spans: list[_Span]) -> list[rawio.ReadTask]:
+    """Tasks reading each span's rows straight into item.into (verified again where the span
+    is whole blocks: a file changed since the check is an error)."""
+    assert item.into is not None
+    tasks = []
+    row_bytes = _row_bytes(item.entry, item.into.dtype)
+    for span in spans:
+        exact = (span.begin, span.end) == (span.low, span.high)
+        check = functools.partial(_check_blocks, item, span.piece, span.first, span.begin,
+                                  (span.low, span.high), True, span.path) if exact else None
+        offset = span.offset + (span.low - span.begin) * row_bytes
+        tasks.append(rawio.ReadTask(item.key, span.path, span.fd, offset, _rows_view(
+            item.into, span.low - item.start, span.high - item.start), check))
+    return tasks
+
+
+def _mismatch(item: _Item, piece: RowSlice, block: int, path: str) -> CheckpointError:
+    row = piece.start + block * piece.rows_per_block
+    return CheckpointError(
+        f"checksum mismatch for {item.key!r} (rows from {row}) in {path!r}: the file "
+        "is corrupted",
+        "restore the file from a copy, or load an earlier checkpoint.",
+    )
+
+
+def _check_digests(item: _Item, span: _Span, found: list[str]) -> None:
+    """Compare the digests of a span's blocks, as streamed, with those of the index."""
+    expected = span.piece.xxh3[span.first:]
+    for j, digest in enumerate(found):
+        if j >= len(expected) or digest != expected[j]:
+            raise _mismatch(item, span.piece, span.first + j, span.path)
+
+
 def _check_blocks(item: _Item, piece: RowSlice, first: int, begin: int,
                   rows: tuple[int, int], exact: bool, path: str, array: np.ndarray) -> None:
     """Verify blocks first.. of a slice read into `array` (from row `begin`); then, unless it
@@ -195,13 +339,9 @@ def _check_blocks(item: _Item, piece: RowSlice, first: int, begin: int,
     for j in range(count):
         block = array if array.ndim == 0 else array[j * per_block : (j + 1) * per_block]
         if checksum(block) != piece.xxh3[first + j]:
-            row = piece.start + (first + j) * per_block
-            raise CheckpointError(
-                f"checksum mismatch for {item.key!r} (rows from {row}) in {path!r}: the file "
-                "is corrupted",
-                "restore the file from a copy, or load an earlier checkpoint.",
-            )
+            raise _mismatch(item, piece, first + j, path)
     if not exact:
+        assert item.out is not None
         low, high = rows
         _rows_view(item.out, low - item.start, high - item.start)[...] = array[
             low - begin : high - begin]
@@ -214,26 +354,23 @@ def _whole_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
     assert isinstance(entry, TensorEntry)
     total = row_count(entry.shape)
     whole = (item.start, item.stop) == (0, total)
-    if not item.out.size:
+    if not item.dest.size:
         return []
     if entry.offset is None or not _size_recorded(reader, entry.file):
         # no offset the index vouches for (an old file, or one another tool rewrote): HDF5
         # finds the data, and the whole tensor is read to verify it
+        if item.into is not None:  # into new memory: there is nothing to stream
+            item.out, item.into = np.empty(item.into.shape, item.into.dtype), None
         array = reader.read_array(key, entry, verify=True)
-        item.out[...] = _rows_view(array, item.start, item.stop)
+        item.dest[...] = _rows_view(array, item.start, item.stop)
         return []
     fd = _file(reader, entry.file)
     path = reader.path(entry.file)
-    row_bytes = _row_bytes(entry, item.out.dtype)
-
-    def verify(found: Any) -> None:
-        digest = found if isinstance(found, str) else checksum(found)
-        if digest != entry.xxh3:
-            raise CheckpointError(
-                f"checksum mismatch for {key!r} in {path!r}: the file is corrupted",
-                "restore the file from a copy, or load an earlier checkpoint.",
-            )
-
+    row_bytes = _row_bytes(entry, item.dest.dtype)
+    verify = functools.partial(_check_whole, key, entry, path)
+    if item.out is None:  # read in place by _whole_fills, once verified here
+        return [rawio.ReadTask(key, path, fd, entry.offset, None, verify, entry.nbytes,
+                               xxhash.xxh3_64)]
     offset = entry.offset + item.start * row_bytes
     if whole:
         return [rawio.ReadTask(key, path, fd, offset, item.out, verify)]
@@ -244,18 +381,60 @@ def _whole_tasks(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
     ]
 
 
+def _whole_fills(reader: CheckpointReader, item: _Item) -> list[rawio.ReadTask]:
+    """The task reading an item _whole_tasks verified in the file straight into item.into
+    (verified again where it is the whole tensor: a file changed since is an error)."""
+    assert item.into is not None
+    entry = item.entry
+    assert isinstance(entry, TensorEntry) and entry.offset is not None
+    path = reader.path(entry.file)
+    whole = (item.start, item.stop) == (0, row_count(entry.shape))
+    check = functools.partial(_check_whole, item.key, entry, path) if whole else None
+    offset = entry.offset + item.start * _row_bytes(entry, item.into.dtype)
+    return [rawio.ReadTask(item.key, path, _file(reader, entry.file), offset, item.into,
+                           check)]
+
+
+def _check_whole(key: str, entry: TensorEntry, path: str, found: Any) -> None:
+    """`found` (an array, or the hex digest of its bytes) against the tensor's checksum."""
+    digest = found if isinstance(found, str) else checksum(found)
+    if digest != entry.xxh3:
+        raise CheckpointError(
+            f"checksum mismatch for {key!r} in {path!r}: the file is corrupted",
+            "restore the file from a copy, or load an earlier checkpoint.",
+        )
+
+
 def _size_recorded(reader: CheckpointReader, name: str) -> bool:
     return reader.opened(name)[1] == reader.index.file_sizes.get(name)
 
 
 def read_plan(reader: CheckpointReader, planned: Plan) -> None:
-    """Read and verify every item into its new memory (item.out). Not collective."""
+    """Read and verify every item into its new memory (item.out), or, one to be read in place,
+    verify it in the file. Not collective."""
     tasks: list[rawio.ReadTask] = []
     for item in planned.items:
-        if isinstance(item.entry, SlicedTensor):
-            tasks += _slice_tasks(reader, item)
-        else:
+        if not isinstance(item.entry, SlicedTensor):
             tasks += _whole_tasks(reader, item)
+        elif item.out is None:
+            tasks += _slice_checks(item, _spans(reader, item))
+        else:
+            tasks += _slice_tasks(reader, item)
+    if tasks:
+        rawio.read_arrays(tasks, _error)
+
+
+def fill_plan(reader: CheckpointReader, planned: Plan) -> None:
+    """Read the items read_plan verified in the files straight into their targets. Not
+    collective; call it only once every rank's read_plan worked."""
+    tasks: list[rawio.ReadTask] = []
+    for item in planned.items:
+        if item.into is None or not item.into.size:
+            continue
+        if isinstance(item.entry, SlicedTensor):
+            tasks += _slice_fills(item, _spans(reader, item))
+        else:
+            tasks += _whole_fills(reader, item)
     if tasks:
         rawio.read_arrays(tasks, _error)
 
@@ -266,6 +445,9 @@ def apply(planned: Plan) -> dict[str, Any]:
     loaded: dict[str, Any] = {}
     for item in planned.items:
         component, _, _ = item.key.partition("/")
+        if item.out is None:  # read in place (fill_plan)
+            loaded[item.key] = item.target
+            continue
         tensor = from_numpy(item.out, item.entry.dtype) if not item.entry.dtype.startswith(
             "numpy.") else item.out
         if item.target is not None and isinstance(tensor, torch.Tensor):
@@ -309,9 +491,12 @@ def load_sharded(
     try:
         with agreement(comm, what + " (matching the state)", kind=CheckpointCollectiveError):
             readers.append(rawio.within(limit, what, lambda: CheckpointReader(directory, stem)))
-            planned = plan(readers[0], target)
+            planned = plan(readers[0], target, in_place=True)
+            keep_in_cache(planned, comm.size)
         with agreement(comm, what + " (reading)", kind=CheckpointCollectiveError):
             rawio.within(limit, what, functools.partial(read_plan, readers[0], planned))
+        with agreement(comm, what + " (reading in place)", kind=CheckpointCollectiveError):
+            rawio.within(limit, what, functools.partial(fill_plan, readers[0], planned))
     finally:
         for reader in readers:
             reader.close()
