@@ -330,3 +330,32 @@ def test_plugin_fields_are_accelerates_in_its_order(comm):
     with pytest.raises(ConfigurationError, match="activation_checkpointing_offload"):
         FullyShardedDataParallelPlugin(activation_checkpointing=True,
                                        activation_checkpointing_offload=True)
+
+
+def test_a_corrupted_block_of_the_last_rank_fails_every_rank_and_changes_nothing(
+        comm, mpi_tmp_path):
+    """load_state verifies every rank's rows in the files before any rank reads them into its
+    parameters and optimizer state: a block damaged where only the last rank reads it is one
+    error on every rank, and every rank's model and optimizer are as they were."""
+    from mpaccel.checkpoint import CheckpointReader
+
+    acc = _accelerator()
+    model, opt, loader, sched = _prepared(acc)
+    _steps(acc, model, opt, loader, sched, 2)
+    directory = acc.save_state(str(mpi_tmp_path / "ckpt"))
+    if comm.rank == 0:
+        with CheckpointReader(directory, "sharded") as reader:
+            entry = reader.index.sliced["model_0/blocks.0.fc.weight"]
+            last = entry.slices[-1]  # the last rank's rows: read by it alone at this size
+            path = reader.path(last.file)
+        with open(path, "r+b") as f:
+            f.seek(last.offset + last.nbytes - 1)
+            byte = f.read(1)
+            f.seek(last.offset + last.nbytes - 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    comm.barrier()
+    _steps(acc, model, opt, loader, sched, 1)  # the state now differs from the saved one
+    before = _full(acc, model, opt)
+    with pytest.raises(CheckpointCollectiveError, match=r"checksum mismatch for .model_0/blocks\.0\.fc\.weight"):
+        acc.load_state(directory)
+    torch.testing.assert_close(_full(acc, model, opt), before, rtol=0, atol=0)

@@ -210,9 +210,13 @@ def load_state(
                        passing=(CheckpointCollectiveError,)):
             rows.read(comm, what, limit)
         objects = rows.rest
-    loaded = _load(comm, objects, reader, what, limit, strict, node_share, model_options)
+    try:
+        loaded = _load(comm, objects, reader, what, limit, strict, node_share, model_options)
+    except BaseException:
+        rows.close()
+        raise
     if rows.targets:
-        rows.apply(comm, what, model_options)
+        rows.apply(comm, what, model_options, limit)
     if number is not None:
         config.iteration = number + 1
     for note in loaded.notes if comm.rank == 0 else []:

@@ -24,7 +24,7 @@ from .format import CheckpointCollectiveError, CheckpointError
 from .index_read import index_path
 from .reader import CheckpointReader
 from .sharded import SHARDED_STEM, LocalState, collect_local, write_local
-from .sharded_read import Plan, apply, plan, read_plan
+from .sharded_read import Plan, apply, fill_plan, keep_in_cache, plan, read_plan
 from .stateful import TrainingState
 from .storage import check_same_on_every_rank, fsync_path
 from .training_state import load_into
@@ -204,7 +204,7 @@ def write(comm: Comm, directory: str, local: LocalState | None) -> dict[str, Any
 class ShardedLoad:
     """The objects of a load_state that go through rows: the `sharded` Statefuls, and the
     models and optimizers that the checkpoint holds in its sharded part. read() (collective)
-    reads and verifies them, changing nothing; apply() hands them over."""
+    verifies them, changing nothing; apply() reads them in place and hands them over."""
 
     def __init__(self, objects: TrainingState, state: CheckpointReader) -> None:
         self.save_id = state.index.metadata.get(SAVE_ID)
@@ -244,6 +244,7 @@ class ShardedLoad:
             optional=objects.optional,
         )
         self.plans: list[Plan] = []
+        self.readers: list[CheckpointReader] = []  # open from read() to apply()
 
     def _check(self, reader: CheckpointReader) -> None:
         if reader.index.save_id != self.save_id:
@@ -256,8 +257,10 @@ class ShardedLoad:
             )
 
     def read(self, comm: Comm, what: str, limit: float) -> None:
-        """Collective: plan and read every target's rows into new memory, verified."""
-        readers: list[CheckpointReader] = []
+        """Collective: plan every target's rows and verify them in the files (those that cannot
+        be read in place: read into new memory and verified there), changing nothing. The
+        readers stay open for apply() (close() on the way out of a load that fails first)."""
+        ok = False
         try:
             with agreement(comm, what + " (matching the sharded state)",
                            kind=CheckpointCollectiveError):
@@ -268,19 +271,35 @@ class ShardedLoad:
                     opened = self.stem if stem == SHARDED_STEM else stem
                     reader = rawio.within(
                         limit, what, functools.partial(CheckpointReader, self.directory, opened))
-                    readers.append(reader)
+                    self.readers.append(reader)
                     if stem == SHARDED_STEM:
                         self._check(reader)
                     target = {n: self.targets[n][0].state_dict() for n in names}
-                    self.plans.append(plan(reader, target))
+                    self.plans.append(plan(reader, target, in_place=True))
+                    keep_in_cache(self.plans[-1], comm.size)
                     rawio.within(limit, what, functools.partial(read_plan, reader,
                                                                 self.plans[-1]))
+            ok = True
         finally:
-            for reader in readers:
-                reader.close()
+            if not ok:
+                self.close()
 
-    def apply(self, comm: Comm, what: str, model_options: dict[str, Any]) -> None:
-        """Collective: copy the rows read into the targets and hand each its state."""
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+        self.readers.clear()
+
+    def apply(self, comm: Comm, what: str, model_options: dict[str, Any],
+              limit: float) -> None:
+        """Collective, once every rank verified everything: read the verified rows straight
+        into the targets (the others: copy them from new memory) and hand each its state."""
+        try:
+            with agreement(comm, what + " (reading the sharded state in place)",
+                           kind=CheckpointCollectiveError):
+                for reader, planned in zip(self.readers, self.plans, strict=True):
+                    rawio.within(limit, what, functools.partial(fill_plan, reader, planned))
+        finally:
+            self.close()
         with agreement(comm, what + " (handing over the sharded state)",
                        kind=CheckpointCollectiveError):
             for planned in self.plans:
