@@ -356,6 +356,7 @@ def test_a_corrupted_block_of_the_last_rank_fails_every_rank_and_changes_nothing
     comm.barrier()
     _steps(acc, model, opt, loader, sched, 1)  # the state now differs from the saved one
     before = _full(acc, model, opt)
-    with pytest.raises(CheckpointCollectiveError, match=r"checksum mismatch for .model_0/blocks\.0\.fc\.weight"):
+    with pytest.raises(CheckpointCollectiveError,
+                       match=r"checksum mismatch for .model_0/blocks\.0\.fc\.weight"):
         acc.load_state(directory)
     torch.testing.assert_close(_full(acc, model, opt), before, rtol=0, atol=0)
