@@ -13,6 +13,7 @@ import torch
 
 from .device import send_to_device
 from .errors import ConfigurationError, MpaccelWarning
+from .nested import convert_to_fp32
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -184,8 +185,6 @@ def patch_forward(
     `options`: as for autocast_context."""
     if mixed_precision not in _AUTOCAST_DTYPES or hasattr(model, "_mpaccel_original_forward"):
         return
-    # here, not at the top: mpaccel.utils imports this module
-    from .utils.operations import convert_to_fp32
 
     original = model.forward
 
