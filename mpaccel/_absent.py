@@ -67,7 +67,7 @@ _LAUNCHER = Reason(
     "`mpiexec -n N python script.py` (docs/launching.md).",
 )
 _ENV_PATCHING = Reason(
-    "mpaccel snapshots the environment once, before MPI_Init, so a later change of os.environ "
+    "mpaccel snapshots the environment once, before MPI_Init, so a later change of a variable "
     "does not reach it",
     "set variables for the launch (`mpiexec -x NAME=value`, `srun --export`).",
 )
