@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
+from test_fsdp_checkpoint import _full
 from torch.utils.data import DataLoader
 
 from mpaccel import Accelerator
@@ -41,17 +42,6 @@ def _micro_batches(acc, model, opt, loader, count: int) -> list[float]:
             opt.zero_grad()
         losses.append(acc.reduce(loss.detach(), "mean").item())
     return losses
-
-
-def _full(acc, model, opt) -> dict[str, torch.Tensor]:
-    def whole(v):
-        return v.full_tensor() if hasattr(v, "full_tensor") else v
-
-    out = {f"model/{k}": whole(v).detach().clone()
-           for k, v in acc.unwrap_model(model).state_dict().items()}
-    for pid, state in opt.state_dict()["state"].items():
-        out.update({f"optim/{pid}.{k}": whole(v).clone() for k, v in state.items()})
-    return out
 
 
 def test_resume_mid_accumulation_equals_uninterrupted(comm, mpi_tmp_path):
