@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import os
 import socket
 import struct
-import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _env
+from . import _env, lifecycle
 from .comm import Comm, agreement
 from .environments import ProcessInfo
 from .errors import ConfigurationError, LaunchError
@@ -173,6 +173,99 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# What torch names ProcessGroupGloo's worker threads (pthread names, /proc/<pid>/task/*/comm).
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+# The number of futex(2), by machine, as /proc/<pid>/task/<tid>/syscall shows it.
+_FUTEX = {"x86_64": 202, "aarch64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238}
+# How long the end of the program waits for gloo's workers (settle_gloo_workers) at most.
+SETTLE_LIMIT = 5.0
+_settle_registered = False
+
+
+def gloo_worker_threads() -> list[int]:
+    """Not collective. The thread ids of this process's gloo worker threads (Linux; none
+    elsewhere). Every ProcessGroupGloo has its own (two by default)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    workers = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == GLOO_WORKER_THREAD:
+                    workers.append(int(tid))
+        except OSError:
+            continue  # ended meanwhile
+    return workers
+
+
+def _worker_is_idle(tid: int) -> bool:
+    """Whether thread `tid` sleeps with no time limit on a futex: a gloo worker waiting for work
+    on its queue (or for a mutex another worker holds, which that one's state then shows). A
+    worker running, runnable, or in a timed wait is not: the GIL is taken with a timed wait,
+    and so is a collective waiting for a peer. An ended thread is idle."""
+    base = f"/proc/self/task/{tid}"
+    try:
+        with open(f"{base}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    if stat[stat.rindex(")") + 2] != "S":
+        return False
+    futex = _FUTEX.get(os.uname().machine)
+    try:
+        with open(f"{base}/syscall") as f:
+            call = f.read().split()
+    except OSError:
+        return True  # the state alone, where the system call cannot be read
+    if futex is None or len(call) < 5 or not call[0].isdigit():
+        return True
+    # fields: number, then the arguments; futex's fourth argument is its time limit
+    return int(call[0]) == futex and int(call[4], 16) == 0
+
+
+def settle_gloo_workers(limit: float = SETTLE_LIMIT) -> bool:
+    """Not collective. Wait, `limit` seconds at most and with the GIL released, until every gloo
+    worker thread of this process is idle on two looks 1 ms apart. True when they are (or there
+    are none), False at the limit.
+
+    A gloo worker drops a finished collective a moment after the caller was released. A
+    collective started inside backward() (DDP's bucket all-reduce, FSDP's reduce-scatter)
+    holds a Python object (the context torch stashes for the backward's device threads), so
+    the drop needs the GIL. Once the interpreter is finalising, Python ends a thread that asks
+    for the GIL with pthread_exit, the unwind meets C++ code and the process aborts after a
+    clean end ("terminate called without an active exception"). The end of the program runs
+    this first (lifecycle.Stage.BACKEND_THREADS): a worker still holding one is running,
+    runnable, or waiting for the GIL, which the sleep here gives it. The same holds for a
+    collective outside backward(): its tensors keep their Python objects while gloo holds them.
+    Where /proc is missing (not Linux) the workers cannot be seen: a 50 ms sleep stands in.
+    NCCL's works end on the GPU; destroy_process_group() (end_training) joins its watchdog."""
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(min(limit, 0.05))
+        return True
+    deadline = time.monotonic() + limit
+    quiet = 0
+    while True:
+        workers = gloo_worker_threads()
+        if not workers:
+            return True
+        quiet = quiet + 1 if all(_worker_is_idle(tid) for tid in workers) else 0
+        if quiet == 2:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-3)
+
+
+def _settle_at_exit() -> None:
+    """Once per process, where a process group exists: settle_gloo_workers at the end."""
+    global _settle_registered
+    if not _settle_registered:
+        lifecycle.at_exit(lifecycle.Stage.BACKEND_THREADS, settle_gloo_workers)
+        _settle_registered = True
+
+
 def init_process_group(
     comm: Comm,
     info: ProcessInfo,
@@ -188,6 +281,7 @@ def init_process_group(
     if info.num_processes == 1:
         return None
     chosen = backend_for(device, backend)
+    _settle_at_exit()
     if is_initialized():
         return dist.get_backend()
     kwargs: dict[str, Any] = {
@@ -250,6 +344,7 @@ def init_world_of_one(device: torch.device, backend: str | None = None) -> str:
     """Not collective (a job of one process). A process group of this process alone, for what
     needs one even then (FSDP's device mesh): in-memory rendezvous, no network. Returns the
     backend; an existing group is kept."""
+    _settle_at_exit()
     if is_initialized():
         return dist.get_backend()
     chosen = backend_for(device, backend)
@@ -270,66 +365,24 @@ def destroy_process_group(group: Any = None) -> None:
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
-def _use_count(tensor: torch.Tensor) -> int:
-    count = getattr(tensor, "_use_count", None)  # private; present in the torch versions we allow
-    return count() if count is not None else 0
-
-
-def _references(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """(C++ use count, Python reference count) of each tensor."""
-    return [(_use_count(t), sys.getrefcount(t)) for t in tensors]
-
-
-def _settled(held: list[torch.Tensor], collective: Callable[[], Any]) -> None:
-    """Run `collective` on the tensors `held` and return once the backend has let go of them.
-
-    gloo completes a collective on a worker thread and drops the work (and its references to the
-    tensors) a moment after the caller has been released. While C++ holds a tensor, the tensor
-    holds its Python object, so the worker's last drop releases a Python reference and needs the
-    GIL. Once the interpreter is finalizing (a script that ends right after a collective), Python
-    ends such a thread with pthread_exit, the unwind meets C++ code, and the process aborts after
-    a clean exit: "terminate called without an active exception". So on CPU this waits until
-    both counts are back to what they were before. CUDA tensors are not waited for: NCCL's work
-    ends on the GPU, and destroy_process_group() (end_training) joins its watchdog.
-    """
-    if held[0].device.type != "cpu":
-        collective()
-        return
-    before = _references(held)
-    collective()
-    deadline = None
-    spins = 0
-    # Counted exactly as `before` was (same list, same function), so the counts compare.
-    while any(u > u0 or r > r0 for (u, r), (u0, r0) in zip(_references(held), before)):
-        spins += 1
-        if spins < 100:
-            time.sleep(0)  # the worker needs the GIL and a few instructions
-            continue
-        now = time.monotonic()
-        deadline = deadline or now + 5.0
-        if now > deadline:
-            return  # someone else holds a tensor too: nothing more to wait for
-        time.sleep(1e-4)
-
-
 def all_gather(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     """Collective over the default group: every rank's `tensor` (same shape on every rank)."""
     out = [torch.empty_like(tensor) for _ in range(world_size)]
     send = tensor.contiguous()
-    _settled([send, *out], lambda: dist.all_gather(out, send))
+    dist.all_gather(out, send)
     return out
 
 
 def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
     """Collective over the default group, in place: 'sum', 'max' or 'min'."""
     reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
-    _settled([tensor], lambda: dist.all_reduce(tensor, op=reduce_op))
+    dist.all_reduce(tensor, op=reduce_op)
     return tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> torch.Tensor:
     """Collective over the default group, in place: rank `src`'s tensor everywhere."""
-    _settled([tensor], lambda: dist.broadcast(tensor, src=src))
+    dist.broadcast(tensor, src=src)
     return tensor
 
 

@@ -12,6 +12,12 @@ The exit order, once the script is done (or calls `end_job`):
    b. END_OF_PROGRAM: the job's communicator waits for every rank in a barrier of its own. A
       rank left in a collective that this one will never join learns it there in seconds
       (CollectiveMismatchError, then `abort_job`), instead of at the timeout.
+   c. BACKEND_THREADS: torch.distributed's gloo worker threads finish what they hold. A worker
+      drops a finished collective a moment after the caller was released, and the drop may
+      need the GIL (a collective started inside backward() holds a Python object). A thread
+      that asks for the GIL once finalisation has begun is ended by Python, the unwind meets
+      C++ and the process aborts after a clean end: "terminate called without an active
+      exception" (distributed.settle_gloo_workers).
 3. mpi4py's own exit hook: MPI_Finalize. Ours was registered after mpi4py.MPI was imported
    (the first `at_exit` comes from a communicator), so it runs before.
 
@@ -56,6 +62,7 @@ class Stage(IntEnum):
 
     STOP_PROGRESS = 1
     END_OF_PROGRAM = 2
+    BACKEND_THREADS = 3
 
 
 _hooks: list[tuple[Stage, Callable[[], object]]] = []

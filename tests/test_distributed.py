@@ -365,3 +365,41 @@ def test_master_addr_the_others_cannot_reach_fails_on_every_rank_naming_it(
     assert not dist.is_initialized() and not PartialState._shared_state
     PartialState(cpu=True)  # a retry that can connect
     _check_group_works(comm)
+
+
+# -- the end of the program: gloo's workers let go first (lifecycle, BACKEND_THREADS) ----------
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gloo_workers_settle_after_a_ddp_backward(comm):
+    # DDP's bucket all-reduce runs on gloo's workers and holds the context torch stashes for the
+    # backward: the workers must have let go of it before the interpreter finalises.
+    acc = PartialState(cpu=True)
+    assert acc.num_processes == comm.size and dist.get_backend() == "gloo"
+    model = distributed.wrap_ddp(torch.nn.Linear(4, 1), torch.device("cpu"))
+    model(torch.ones(2, 4)).sum().backward()
+    workers = distributed.gloo_worker_threads()
+    assert len(workers) >= 2, workers  # two per ProcessGroupGloo by default
+    start = time.monotonic()
+    assert distributed.settle_gloo_workers(limit=5.0)
+    assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_gloo_worker_waiting_for_a_peer_is_not_settled(comm):
+    # Rank 0 starts an all-reduce the others join only later: its worker waits for them inside
+    # gloo (a timed wait, as for the GIL), which is not idle.
+    PartialState(cpu=True)
+    t = torch.ones(1)
+    settled = None
+    if comm.rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        settled = distributed.settle_gloo_workers(limit=0.3)
+        comm.barrier()  # now the others join the all-reduce
+        work.wait()
+    else:
+        comm.barrier()
+        dist.all_reduce(t)
+    assert t.item() == comm.size
+    assert comm.bcast(settled, root=0) is False
+    assert distributed.settle_gloo_workers(limit=5.0)
