@@ -94,7 +94,11 @@ def test_ddp_comm_hook_compresses_the_gradients():
 
 def test_profiler_writes_one_trace_per_process(tmp_path):
     out = _run("profiler.py", "--record_shapes", "--output_trace_dir", str(tmp_path))
-    assert "Self CPU time total" in out and "aten::addmm" in out  # the main process's table
+    # The main process's table: its 8 costliest ops by self CPU time. Which ops those are
+    # depends on the load (under CI's, gloo's all-reduce and copies pushed aten::addmm out of
+    # it once), so the table is checked for op rows and the traces for addmm.
+    assert "Self CPU time total" in out, out
+    assert len(re.findall(r"^\s*aten::\w+ ", out, re.M)) >= 3, out
     for rank in (0, 1):
         trace = json.loads((tmp_path / f"profile_{rank}.json").read_text())
         assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
