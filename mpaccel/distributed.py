@@ -235,8 +235,8 @@ def settle_gloo_workers(limit: float = SETTLE_LIMIT) -> bool:
     holds a Python object (the context torch stashes for the backward's device threads), so
     the drop needs the GIL. Once the interpreter is finalising, Python ends a thread that asks
     for the GIL with pthread_exit, the unwind meets C++ code and the process aborts after a
-    clean end ("terminate called without an active exception"). The end of the program runs
-    this first (lifecycle.Stage.BACKEND_THREADS): a worker still holding one is running,
+    clean end ("terminate called without an active exception"). mpaccel's last exit hook
+    runs this (lifecycle.Stage.BACKEND_THREADS): a worker still holding one is running,
     runnable, or waiting for the GIL, which the sleep here gives it. The same holds for a
     collective outside backward(): its tensors keep their Python objects while gloo holds them.
     Where /proc is missing (not Linux) the workers cannot be seen: a 50 ms sleep stands in.
