@@ -96,6 +96,9 @@ beside_slurm() {
 }
 
 run_stage ruff "$VENV/bin/ruff" check .
+# Byte-code once, up front: where PYTHONDONTWRITEBYTECODE is set (as on the CI machines) no
+# process writes it, and every rank of every job would compile mpaccel from source again.
+run_stage compile "$PY" -m compileall -q mpaccel tests examples benchmarks
 # Open MPI's venv first: the size-1 pass also uses its mpiexec (a launcher from another MPI).
 # mypy (CPU) runs beside it (mostly pip's downloads).
 beside mypy run_stage mypy "$VENV/bin/mypy" mpaccel
