@@ -994,63 +994,12 @@ def test_bf16_comm_hooks_on_cpu_are_a_clear_error(comm):
 # -- profiler -----------------------------------------------------------------------------------
 
 
-def test_profile_writes_a_trace_per_rank(comm, mpi_tmp_path):
-    import json
-
+def test_profile_refuses_an_activity_torch_does_not_know():
+    # profiling itself runs in jobs of its own: tests/test_profile.py
     from mpaccel.utils import ProfileKwargs
 
-    handler = ProfileKwargs(activities=["cpu"], output_trace_dir=str(mpi_tmp_path / "traces"))
-    acc = _fresh(kwargs_handlers=[handler])
-    model = acc.prepare(_model())
-    with acc.profile() as prof:
-        model(torch.randn(2, 8)).sum().backward()
-    assert any("addmm" in e.key for e in prof.key_averages())
-    acc.wait_for_everyone()
-    names = sorted(p.name for p in (mpi_tmp_path / "traces").iterdir())
-    assert names == sorted(f"profile_{r}.json" for r in range(comm.size))
-    trace = json.loads((mpi_tmp_path / "traces" / f"profile_{comm.rank}.json").read_text())
-    assert any("addmm" in event.get("name", "") for event in trace["traceEvents"])
     with pytest.raises(ConfigurationError, match="not a profiler activity"):
         ProfileKwargs(activities=["gpu"]).build()
-
-
-@pytest.mark.parametrize("pattern", [None, "trace-of-rank-{suffix}.json"])
-def test_profile_names_its_traces_by_profile_pattern_name(comm, mpi_tmp_path, monkeypatch,
-                                                          pattern):
-    """profile() spelled the trace's name itself: it now formats PROFILE_PATTERN_NAME (the
-    one definition, mpaccel.utils.constants, Accelerate's value) with each rank's index."""
-    from mpaccel.utils import PROFILE_PATTERN_NAME, ProfileKwargs, constants
-
-    if pattern is not None:
-        monkeypatch.setattr(constants, "PROFILE_PATTERN_NAME", pattern)
-    expected = pattern or PROFILE_PATTERN_NAME
-    acc = _fresh()
-    with acc.profile(ProfileKwargs(activities=["cpu"], output_trace_dir=str(mpi_tmp_path))):
-        torch.ones(3).sum()
-    acc.wait_for_everyone()
-    names = sorted(p.name for p in mpi_tmp_path.iterdir())
-    assert names == sorted(expected.format(suffix=r) for r in range(comm.size))
-
-
-def test_profile_schedule_and_on_trace_ready(comm):
-    """A handler for one block overrides the Accelerator's; on_trace_ready is called on every
-    rank at the end of each active cycle."""
-    from mpaccel.utils import ProfileKwargs
-
-    ready = []
-    handler = ProfileKwargs(
-        activities=["cpu"],
-        schedule_option={"wait": 1, "warmup": 1, "active": 1},
-        on_trace_ready=lambda prof: ready.append(prof.step_num),
-        record_shapes=True,
-    )
-    acc = _fresh(kwargs_handlers=[ProfileKwargs(output_trace_dir="/nonexistent/never")])
-    model = acc.prepare(_model())
-    with acc.profile(handler) as prof:
-        for _ in range(4):
-            model(torch.randn(2, 8)).sum().backward()
-            prof.step()
-    assert ready == [3]  # after wait, warmup and the active step
 
 
 # -- fp16 on CPU ---------------------------------------------------------------------------------
