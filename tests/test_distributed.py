@@ -374,15 +374,13 @@ def test_master_addr_the_others_cannot_reach_fails_on_every_rank_naming_it(
 def test_gloo_workers_settle_after_a_ddp_backward(comm):
     # DDP's bucket all-reduce runs on gloo's workers and holds the context torch stashes for the
     # backward: the workers must have let go of it before the interpreter finalises.
-    acc = PartialState(cpu=True)
-    assert acc.num_processes == comm.size and dist.get_backend() == "gloo"
+    state = PartialState(cpu=True)
+    assert state.num_processes == comm.size and dist.get_backend() == "gloo"
     model = distributed.wrap_ddp(torch.nn.Linear(4, 1), torch.device("cpu"))
     model(torch.ones(2, 4)).sum().backward()
     workers = distributed.gloo_worker_threads()
     assert len(workers) >= 2, workers  # two per ProcessGroupGloo by default
-    start = time.monotonic()
     assert distributed.settle_gloo_workers(limit=5.0)
-    assert time.monotonic() - start < 5.0
 
 
 @pytest.mark.mpi(min_size=2)
