@@ -52,3 +52,20 @@ def no_group_left_behind():
     yield
     if not had and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def group():
+    """mpaccel's communicator, with a default torch.distributed group for fully_shard (at size 1
+    mpaccel makes none: a gloo group of one is made here, and removed after the test)."""
+    import torch.distributed as dist
+
+    from mpaccel import PartialState
+
+    state = PartialState()
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield state.comm
+    if made:
+        dist.destroy_process_group()

@@ -10,7 +10,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from test_checkpoint_sharded import build, group, stepped  # noqa: F401  (group: a fixture)
+from test_checkpoint_sharded import build, stepped
 
 from mpaccel import PartialState
 from mpaccel.checkpoint.format import INDEX_DIGEST
@@ -71,7 +71,7 @@ def test_state_and_model_indexes_round_trip_byte_for_byte(mpi_tmp_path):
     assert len(index.shards) == 3 and index.per_rank == ()
 
 
-def test_sharded_index_round_trips_byte_for_byte(group, mpi_tmp_path):  # noqa: F811
+def test_sharded_index_round_trips_byte_for_byte(group, mpi_tmp_path):
     model = build(0)
     opt = stepped(model, 0.1, 0)
     save_sharded(group, mpi_tmp_path / "ckpt", {"model": model.state_dict(),

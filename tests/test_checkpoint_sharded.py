@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from mpaccel import PartialState
 from mpaccel.checkpoint import AsyncSaver, load_model_state
 from mpaccel.checkpoint import sharded as sharded_module
 from mpaccel.checkpoint.format import CheckpointCollectiveError
@@ -27,17 +25,13 @@ from mpaccel.checkpoint.storage import write_checkpoint
 pytestmark = pytest.mark.mpi_timeout(300)
 
 
-@pytest.fixture
-def group():
-    """mpaccel's communicator, with a default process group for fully_shard (at size 1 mpaccel
-    makes none: a group of one is made here, and removed after the test)."""
-    state = PartialState()
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield state.comm
-    if made:
-        dist.destroy_process_group()
+def flip_byte(path, offset: int) -> None:
+    """Damage a checkpoint file after the save: invert the byte at `offset`."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def build(seed: int, shard: bool = True, hidden: int = 7) -> torch.nn.Module:
@@ -168,11 +162,7 @@ def test_a_corrupted_slice_fails_on_every_rank_and_changes_nothing(group, mpi_tm
     index = save_sharded(group, mpi_tmp_path / "ckpt", {"model": model.state_dict()})
     last = index["sliced"]["model/0.weight"]["slices"][-1]  # read by the last rank at any size
     if group.rank == 0:
-        with open(mpi_tmp_path / "ckpt" / last["file"], "r+b") as f:
-            f.seek(last["offset"] + last["nbytes"] - 1)
-            byte = f.read(1)
-            f.seek(last["offset"] + last["nbytes"] - 1)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(mpi_tmp_path / "ckpt" / last["file"], last["offset"] + last["nbytes"] - 1)
     group.barrier()
     other = build(1)
     before = {k: full(v).clone() for k, v in other.state_dict().items()}
@@ -189,11 +179,7 @@ def test_a_corrupted_replicated_tensor_fails_and_changes_no_sharded_target(group
                              {"model_0": plain.state_dict()})
     entry = index["tensors"]["model_0/2.weight"]
     if group.rank == 0:
-        with open(mpi_tmp_path / "plain" / entry["file"], "r+b") as f:
-            f.seek(entry["offset"] + entry["nbytes"] - 1)
-            byte = f.read(1)
-            f.seek(entry["offset"] + entry["nbytes"] - 1)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(mpi_tmp_path / "plain" / entry["file"], entry["offset"] + entry["nbytes"] - 1)
     group.barrier()
     model = build(5)
     before = {k: full(v).clone() for k, v in model.state_dict().items()}
@@ -395,11 +381,7 @@ def test_ckpt_ls_verify_and_export_read_sharded_checkpoints(group, mpi_tmp_path,
         for key in saved:
             assert torch.equal(exported[key], saved[key]), key
         last = slices[-1]
-        with open(mpi_tmp_path / "ckpt" / last["file"], "r+b") as f:
-            f.seek(last["offset"])
-            byte = f.read(1)
-            f.seek(last["offset"])
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(mpi_tmp_path / "ckpt" / last["file"], last["offset"])
         capsys.readouterr()
         assert main(["ckpt", "verify", directory]) == 1
         captured = capsys.readouterr()

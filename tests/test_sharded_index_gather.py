@@ -8,23 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from mpaccel import PartialState
 from mpaccel.checkpoint.sharded import save_sharded
 
 pytestmark = pytest.mark.mpi_timeout(300)
-
-
-@pytest.fixture
-def group():
-    state = PartialState()
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield state.comm
-    if made:
-        dist.destroy_process_group()
 
 
 class Received:
