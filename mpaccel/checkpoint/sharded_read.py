@@ -81,12 +81,15 @@ def _stored(entry: TensorEntry | SlicedTensor, key: str) -> np.dtype:
     return dtype
 
 
-def plan(reader: CheckpointReader, target: Mapping[str, Any], in_place: bool = False) -> Plan:
+def plan(reader: CheckpointReader, target: Mapping[str, Any],
+         in_place_ranks: int | None = None) -> Plan:
     """Match `target` ({component: state tree}) against the checkpoint: every tensor of the
     target must be in it with the same global shape. Tensors of the checkpoint that the target
-    lacks are read whole into new memory. `in_place`: the target's tensors that allow it are
-    read straight into (by fill_plan, once read_plan verified them); else all go through new
-    memory and apply()."""
+    lacks are read whole into new memory. `in_place_ranks` (how many ranks load alike): the
+    target's tensors that allow it are read straight into (by fill_plan, once read_plan
+    verified them), unless what they all read would not stay in the page cache
+    (_keep_in_cache); None: all go through new memory and apply()."""
+    in_place = in_place_ranks is not None
     index, out = reader.index, Plan()
     sliced = index.sliced
     where = reader.directory
@@ -135,6 +138,8 @@ def plan(reader: CheckpointReader, target: Mapping[str, Any], in_place: bool = F
             shape = entry.shape
             out.items.append(Item(key, entry, 0, row_count(shape),
                                    np.empty(shape, _stored(entry, key)), None))
+    if in_place_ranks is not None:
+        _keep_in_cache(out, in_place_ranks)
     return out
 
 
@@ -149,19 +154,18 @@ def _in_place(value: torch.Tensor | None, entry: TensorEntry | SlicedTensor, sto
     return view
 
 
-def keep_in_cache(planned: Plan, ranks: int) -> None:
+def _keep_in_cache(planned: Plan, ranks: int) -> None:
     """Read into new memory instead of in place unless what `ranks` ranks like this one read
     fits in half the memory the kernel could give the page cache: the in-place read is a second
     pass, fast only where the first one left the bytes in the cache."""
-    items = [item for item in planned.items if item.into is not None]
-    verified = sum(item.entry.nbytes if isinstance(item.entry, TensorEntry) else item.into.nbytes
-                   for item in items if item.into is not None)
+    views = [(item, item.into) for item in planned.items if item.into is not None]
+    verified = sum(item.entry.nbytes if isinstance(item.entry, TensorEntry) else into.nbytes
+                   for item, into in views)
     room = rawio.page_cache_room()
     if room is None or verified * ranks <= room // 2:
         return
-    for item in items:
-        assert item.into is not None
-        item.out, item.into = np.empty(item.into.shape, item.into.dtype), None
+    for item, into in views:
+        item.out, item.into = np.empty(into.shape, into.dtype), None
 
 
 def read_plan(reader: CheckpointReader, planned: Plan) -> None:
@@ -246,8 +250,7 @@ def load_sharded(
     try:
         with agreement(comm, what + " (matching the state)", kind=CheckpointCollectiveError):
             readers.append(rawio.within(limit, what, lambda: CheckpointReader(directory, stem)))
-            planned = plan(readers[0], target, in_place=True)
-            keep_in_cache(planned, comm.size)
+            planned = plan(readers[0], target, in_place_ranks=comm.size)
         with agreement(comm, what + " (reading)", kind=CheckpointCollectiveError):
             rawio.within(limit, what, functools.partial(read_plan, readers[0], planned))
         with agreement(comm, what + " (reading in place)", kind=CheckpointCollectiveError):

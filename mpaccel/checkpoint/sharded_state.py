@@ -24,20 +24,13 @@ from .format import CheckpointCollectiveError, CheckpointError
 from .index_read import index_path
 from .reader import CheckpointReader
 from .sharded import SHARDED_STEM, LocalState, collect_local, write_local
-from .sharded_read import Plan, apply, fill_plan, keep_in_cache, plan, read_plan
+from .sharded_read import Plan, apply, fill_plan, plan, read_plan
 from .stateful import TrainingState
 from .storage import check_same_on_every_rank, fsync_path
 from .training_state import load_into
 
 STATE_STEM = "state"
 SAVE_ID = "sharded"  # the key of the state index's metadata naming the sharded part's save id
-
-
-def sharded_gradients(objects: TrainingState) -> dict[str, Any]:
-    """The `gradients` entries whose model is a `sharded` one: their gradients are saved as rows
-    in the sharded part (SummedGradients), not per rank."""
-    held = [id(obj) for obj in objects.sharded.values()]
-    return {name: module for name, module in objects.gradients.items() if id(module) in held}
 
 
 class SummedGradients:
@@ -120,7 +113,7 @@ def collect(comm: Comm, objects: TrainingState, what: str, copy: bool) -> LocalS
     local = LocalState({}, {}, {}, {})
     with agreement(comm, what, kind=CheckpointCollectiveError):
         state = {n: o.state_dict() for n, o in objects.sharded.items()}
-        for name, module in sharded_gradients(objects).items():
+        for name, module in objects.sharded_gradients().items():
             grads = SummedGradients(module).state_dict()
             if grads:  # none: saved at a step boundary after all
                 state[name] = grads
@@ -229,7 +222,7 @@ class ShardedLoad:
             self.targets[name] = (obj, SHARDED_STEM if name in saved else STATE_STEM)
         # the sharded models' gradients, where the checkpoint holds them (saved
         # mid-accumulation); else left as they are, as without FSDP
-        grads = sharded_gradients(objects)
+        grads = objects.sharded_gradients()
         for name, module in grads.items():
             if name in saved:
                 keys = [k.split("/", 1)[1] for k in sliced if k.startswith(f"{name}/")]
@@ -275,8 +268,7 @@ class ShardedLoad:
                     if stem == SHARDED_STEM:
                         self._check(reader)
                     target = {n: self.targets[n][0].state_dict() for n in names}
-                    self.plans.append(plan(reader, target, in_place=True))
-                    keep_in_cache(self.plans[-1], comm.size)
+                    self.plans.append(plan(reader, target, in_place_ranks=comm.size))
                     rawio.within(limit, what, functools.partial(read_plan, reader,
                                                                 self.plans[-1]))
             ok = True

@@ -50,6 +50,13 @@ class TrainingState:
     optional: frozenset[str] = frozenset()
     sharded: Mapping[str, Stateful] = dataclasses.field(default_factory=_empty)
 
+    def sharded_gradients(self) -> dict[str, torch.nn.Module]:
+        """The `gradients` entries whose model is one of `sharded` (a fully_shard model): their
+        gradients go as rows into the sharded part (sharded_state.SummedGradients), not per
+        rank."""
+        held = {id(obj) for obj in self.sharded.values()}
+        return {name: module for name, module in self.gradients.items() if id(module) in held}
+
     def __post_init__(self) -> None:
         shared = [*self.models, *self.optimizers, *self.shared, *self.sharded]
         per_rank = ["rng", *self.per_rank, *self.gradients]

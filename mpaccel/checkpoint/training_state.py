@@ -74,9 +74,9 @@ def collect(comm: Comm, objects: TrainingState) -> tuple[dict[str, Any], dict[st
         per_rank[name] = obj.state_dict()
     # Saved mid-accumulation: the gradients summed so far are part of the state (and, under
     # DDP's no_sync, differ from rank to rank).
-    held = [id(obj) for obj in objects.sharded.values()]
+    rows = objects.sharded_gradients()  # a fully sharded model's: rows of the sharded part
     for name, module in objects.gradients.items():
-        if id(module) in held:  # a fully sharded model's: rows of the sharded part
+        if name in rows:
             continue
         per_rank[name] = {
             key: p.grad for key, p in module.named_parameters() if p.grad is not None
