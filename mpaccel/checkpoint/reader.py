@@ -170,9 +170,8 @@ class CheckpointReader:
         """(key, entry) of every tensor the index places in file `name`."""
         if self._by_file is None:
             self._by_file = {}
-            for part in [self.index.tensors, *(p.tensors for p in self.index.per_rank)]:
-                for key, entry in part.items():
-                    self._by_file.setdefault(entry.file, []).append((key, entry))
+            for key, entry in self.index.entries():
+                self._by_file.setdefault(entry.file, []).append((key, entry))
         return self._by_file.get(name, [])
 
     def _raw(self, entry: TensorEntry) -> tuple[int, int, np.dtype] | None:
@@ -466,10 +465,7 @@ class CheckpointReader:
         """Check every tensor's checksum, and that HDF5 places it where the index does; returns
         the problems found (empty: all good)."""
         problems = []
-        entries = list(self.index.tensors.items())
-        for part in self.index.per_rank:
-            entries.extend(part.tensors.items())
-        for key, entry in entries:
+        for key, entry in self.index.entries():
             try:
                 self._check_layout(key, entry)
                 self.read_array(key, entry, verify=True)
