@@ -86,8 +86,10 @@ openmpi_stages() {
 
 # The stages that run after the Slurm tests, beside the rest of the size-1 pass (OVERLAP=0:
 # all of them one after another, after it). The Slurm tests mostly wait for the scheduler and
-# end far sooner than the size-1 pass; these are short, and the size-1 pass, whose tests wait
-# too, leaves room for them. mpich-n4, 4 busy ranks on 2 cores, runs alone at the end.
+# end far sooner than the size-1 pass. Beside it these stages share the CPU rather than fill
+# idle time: sampled every 10 s in a fresh-clone run, the 2 cores were 0 % idle through the
+# size-1 pass, and the whole run takes 17-18.5 min. mpich-n4, 4 busy ranks on 2 cores,
+# runs alone at the end.
 beside_slurm() {
   pytest_stage size-1-slurm -- -m slurm tests
   if [ "${OVERLAP:-1}" = 1 ]; then
