@@ -15,6 +15,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml scripts/constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
+	@# the commit-msg hook that keeps subjects within 72 characters (a no-op outside a checkout)
+	-@git rev-parse --git-dir >/dev/null 2>&1 && git config core.hooksPath .githooks
 
 example: setup
 	timeout --kill-after=30 600 $(MPIEXEC) -n $(NP) $(PY) $(EXAMPLE)
