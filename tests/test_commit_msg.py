@@ -11,7 +11,8 @@ HOOK = pathlib.Path(__file__).resolve().parents[1] / ".githooks" / "commit-msg"
 def run_hook(tmp_path: pathlib.Path, message: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "COMMIT_EDITMSG"
     path.write_text(message)
-    return subprocess.run(["bash", str(HOOK), str(path)], capture_output=True, text=True, timeout=30)
+    command = ["bash", str(HOOK), str(path)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30)
 
 
 @pytest.mark.mpi(size=1)
@@ -23,7 +24,7 @@ def run_hook(tmp_path: pathlib.Path, message: str) -> subprocess.CompletedProces
         ("x" * 73 + "\n\nbody\n", False),
         ("checkpoint: a subject\nand a body without the blank line\n", False),
         ("# a comment git strips\ncheckpoint: a subject\n\nbody\n", True),
-        ("Merge branch 'a-long-branch-name-that-goes-on-and-on-and-on' into main of the repo\n", True),
+        ("Merge branch 'a-long-branch-name-that-goes-on-and-on' into the main branch of it\n", True),
     ],
 )
 def test_the_hook_keeps_subjects_within_72_characters(tmp_path, message, accepted):
