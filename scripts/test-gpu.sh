@@ -5,7 +5,8 @@
 # timeout; pytest's exit 5 ("no tests ran"), or `cuda` tests that all skipped on a GPU machine,
 # fail it. Without a GPU it says in one line what it skipped and why, then proves the stage is
 # not broken: the `cuda` tests must import, be collected (one at least) and skip, in a few
-# seconds (the files that mark them only). Ends with one line "gpu: N passed, N failed, N
+# seconds (the files that mark them only). CUDA_VISIBLE_DEVICES= (empty) asks for that check
+# alone on any machine (CI's stage); GPUs that nvidia-smi lists and torch cannot see fail it. Ends with one line "gpu: N passed, N failed, N
 # skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +64,9 @@ print(torch.cuda.device_count() if torch.cuda.is_available() else 0, torch.__ver
 listed=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 
 if [ "$gpus" = 0 ]; then
-  if [ "$listed" -gt 0 ]; then
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && [ -z "$CUDA_VISIBLE_DEVICES" ]; then
+    why="CUDA_VISIBLE_DEVICES is empty, which hides every GPU from torch $version"
+  elif [ "$listed" -gt 0 ]; then
     why="nvidia-smi lists $listed GPU(s) but torch $version (CUDA build: $build) sees none"
     problems+=("torch sees none of the $listed GPUs nvidia-smi lists")
   else
