@@ -222,7 +222,8 @@ def test_fsdp2_shards_onto_the_gpu_and_trains_as_one_process(comm):
 
 def _trained(acc: Accelerator) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
+    # buffers too: save_state sends rank 0's as bytes over NCCL, on their (the GPU's) device
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
     acc.backward(model(torch.randn(5, 4, device=acc.device)).pow(2).mean())
     opt.step()
