@@ -33,9 +33,8 @@ pytestmark = pytest.mark.cuda
 def _gpu_of(state: PartialState) -> torch.device:
     """The GPU this rank must drive: its local rank's where it sees every GPU of the node (as
     under mpiexec), else the first it sees (Slurm's --gpus-per-task gives each its own)."""
-    index = state.local_process_index
-    return torch.device("cuda", index if state.local_num_processes <= torch.cuda.device_count()
-                        else 0)
+    sees_all = state.local_num_processes <= torch.cuda.device_count()
+    return torch.device("cuda", state.local_process_index if sees_all else 0)
 
 
 def test_each_rank_drives_the_gpu_of_its_local_rank(comm):
