@@ -24,7 +24,7 @@ def run_hook(tmp_path: pathlib.Path, message: str) -> subprocess.CompletedProces
         ("x" * 73 + "\n\nbody\n", False),
         ("checkpoint: a subject\nand a body without the blank line\n", False),
         ("# a comment git strips\ncheckpoint: a subject\n\nbody\n", True),
-        ("Merge branch 'a-long-branch-name-that-goes-on-and-on' into the main branch of it\n", True),
+        ("Merge branch 'a-long-branch-name-that-goes-on' into the main branch of it\n", True),
     ],
 )
 def test_the_hook_keeps_subjects_within_72_characters(tmp_path, message, accepted):
