@@ -8,6 +8,7 @@ Each body runs at size 1 and under mpiexec -n 2 and -n 4 (docs/testing.md)."""
 from __future__ import annotations
 
 import copy
+import os
 import random
 import warnings
 
@@ -18,7 +19,7 @@ from test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
 from torch.utils.data import DataLoader
 
 from mpaccel import Accelerator
-from mpaccel.checkpoint import CheckpointCollectiveError
+from mpaccel.checkpoint import CheckpointCollectiveError, CheckpointError
 from mpaccel.testing import reset_state
 
 pytestmark = [pytest.mark.mpi_timeout(300), pytest.mark.usefixtures("no_group_left_behind")]
@@ -132,6 +133,18 @@ def test_a_refused_sharded_load_changes_nothing_on_any_rank(comm, mpi_tmp_path, 
     assert f"rank(s) {', '.join(map(str, range(comm.size)))}" in str(info.value)
     assert not [w for w in warned if "not everything could be given back" in str(w.message)]
     _assert_unchanged(_snapshot(acc, model, opt, sched), before)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_fsdp_save_by_one_rank_alone_is_refused_before_writing(comm, mpi_tmp_path):
+    acc, model, opt, sched = _trained("plain", 1, seed=1, steps=1)
+    target = mpi_tmp_path / "ckpt"
+    others = ", ".join(map(str, range(1, comm.size)))
+    if acc.is_main_process:  # Accelerate's idiom, which a sharded checkpoint cannot follow
+        with pytest.raises(CheckpointError, match=rf"rank\(s\) \[{others}\] did not join"):
+            acc.save_state(str(target))
+    acc.wait_for_everyone()
+    assert os.listdir(mpi_tmp_path) == []  # not even the directory
 
 
 def test_an_io_error_after_the_checks_gives_back_what_it_can_and_says_what_not(

@@ -23,7 +23,7 @@ from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError
 from .index_read import index_path
 from .reader import CheckpointReader
-from .sharded import SHARDED_STEM, LocalState, collect_local, write_local
+from .sharded import SHARDED_STEM, LocalState, check_joined, collect_local, write_local
 from .sharded_read import Plan, apply, differences, fill_plan, plan, read_plan
 from .stateful import TrainingState
 from .storage import check_same_on_every_rank, fsync_path
@@ -138,6 +138,7 @@ def collect(comm: Comm, objects: TrainingState, what: str, copy: bool) -> LocalS
         local = collect_local(state, comm.rank)
         if copy:
             local = local.snapshot()
+    check_joined(comm, local, what)
     check_same_on_every_rank(comm, what, local.documents, local.layout())
     return local
 
