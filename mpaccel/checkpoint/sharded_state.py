@@ -216,7 +216,8 @@ def write(comm: Comm, directory: str, local: LocalState | None) -> dict[str, Any
 class ShardedLoad:
     """The objects of a load_state that go through rows: the `sharded` Statefuls, and the
     models and optimizers that the checkpoint holds in its sharded part. read() (collective)
-    verifies them, changing nothing; apply() reads them in place and hands them over."""
+    checks and verifies them, changing nothing; load_state then applies them with the rest of
+    the load, under its rollback: fill() reads them in place, hand_over() hands them over."""
 
     def __init__(self, objects: TrainingState, state: CheckpointReader) -> None:
         self.save_id = state.index.metadata.get(SAVE_ID)
@@ -256,7 +257,7 @@ class ShardedLoad:
             optional=objects.optional,
         )
         self.plans: list[Plan] = []
-        self.readers: list[CheckpointReader] = []  # open from read() to apply()
+        self.readers: list[CheckpointReader] = []  # open from read() to fill()
 
     def _check(self, reader: CheckpointReader) -> None:
         if reader.index.save_id != self.save_id:
