@@ -200,23 +200,17 @@ def load_state(
         opened.append(rawio.within(limit, "opening a checkpoint",
                                    lambda: CheckpointReader(named or "", STATE_STEM, node_share)))
     reader = opened[0]
-    # the objects that go through rows (sharded ones, or held in the sharded part) are read
-    # first, changing nothing; handed over once everything else is loaded
+    # the objects that go through rows (sharded ones, or held in the sharded part): checked
+    # and verified first, changing nothing; applied with the rest, under the same rollback
     rows: sharded_state.ShardedLoad | None = None
     with agreement(comm, what, kind=CheckpointCollectiveError, cleanup=close):
         rows = sharded_state.ShardedLoad(objects, reader)
     if rows.targets:
         with agreement(comm, what, kind=CheckpointCollectiveError, cleanup=close,
                        passing=(CheckpointCollectiveError,)):
-            rows.read(comm, what, limit)
+            rows.read(comm, what, limit, strict)
         objects = rows.rest
-    try:
-        loaded = _load(comm, objects, reader, what, limit, strict, node_share, model_options)
-    except BaseException:
-        rows.close()
-        raise
-    if rows.targets:
-        rows.apply(comm, what, model_options, limit)
+    loaded = _load(comm, objects, reader, what, limit, strict, node_share, model_options, rows)
     if number is not None:
         config.iteration = number + 1
     for note in loaded.notes if comm.rank == 0 else []:
@@ -233,19 +227,23 @@ def _load(
     strict: bool,
     node_share: tuple[int, int],
     model_options: dict[str, Any],
+    rows: sharded_state.ShardedLoad,
 ) -> Any:
-    """load_state() once every rank opened the checkpoint; closes the reader."""
+    """load_state() once every rank opened the checkpoint and `rows` verified the objects that
+    go through rows; closes the reader and rows' readers."""
     # All or nothing, on every rank. (1) read, verify and check everything, changing nothing
-    # (the tensors that models and optimizers take in place are only verified in the files);
-    # all ranks agree. (2) hand their states to the other Statefuls (schedulers, the scaler,
-    # registered objects, loader positions: their own code may refuse them); all ranks agree.
-    # (3) read the tensors held back in (1) into the models and optimizers, then their
-    # load_state_dict; all ranks agree. (4) set the RNG states (1) checked. A failure in (1)
-    # changed nothing; in (2) or (3), on any rank, every rank gives every object back the
-    # state it had (Rollback), all but the tensors read in place in (3): the warning says so.
+    # (the tensors that models and optimizers take in place are only verified in the files;
+    # `rows` did the same for its objects already); all ranks agree. (2) hand their states to
+    # the other Statefuls (schedulers, the scaler, registered objects, loader positions: their
+    # own code may refuse them); all ranks agree. (3) read the tensors held back in (1) into
+    # the models and optimizers, then their load_state_dict; all ranks agree. (4) the same for
+    # the objects of `rows` (sharded ones); all ranks agree. (5) set the RNG states (1)
+    # checked. A failure in (1) changed nothing; in (2) to (4), on any rank, every rank gives
+    # every object back the state it had (Rollback), all but the tensors read in place in (3)
+    # and (4): the warning, on every rank, names them.
     rollback = Rollback()
     abandoned = False  # a thread left in the kernel may still use the reader's files
-    filled = False
+    filled: list[str] = []  # what was read in place, for the warning
 
     def io(work: Callable[[], Any]) -> Any:
         nonlocal abandoned
@@ -256,9 +254,12 @@ def _load(
             raise
 
     def fill() -> None:
-        nonlocal filled
-        filled = True
+        filled.append("the models' and optimizers' tensors read in place")
         io(lambda: reader.fill(loaded.held, follow=node_share[0] > 0))
+
+    def fill_rows() -> None:
+        filled.append(f"the tensors of {', '.join(rows.names())} read in place")
+        io(rows.fill)
 
     try:
         with agreement(comm, what, kind=CheckpointCollectiveError):
@@ -267,12 +268,19 @@ def _load(
             apply_states(objects, loaded, reader, rollback)
         with agreement(comm, what, kind=CheckpointCollectiveError):
             apply_tensors(objects, loaded, reader, rollback, fill, model_options)
+        if rows.targets:
+            with agreement(comm, what + " (reading the sharded state in place)",
+                           kind=CheckpointCollectiveError):
+                fill_rows()
+            with agreement(comm, what + " (handing over the sharded state)",
+                           kind=CheckpointCollectiveError):
+                rows.hand_over(rollback, model_options)
     except BaseException:
         problems = rollback.run()
         if filled:
             problems.append(
-                "the models' and optimizers' tensors read in place (they hold the checkpoint's "
-                "bytes, some of them perhaps: load a checkpoint again)"
+                f"{' and '.join(filled)} (they hold the checkpoint's bytes, some of them "
+                "perhaps: load a checkpoint again)"
             )
         if problems:
             warnings.warn(
@@ -285,5 +293,6 @@ def _load(
     finally:
         if not abandoned:
             reader.close()
+            rows.close()
     finish(loaded)
     return loaded

@@ -138,11 +138,15 @@ class LocalState:
     rows: dict[str, Rows]
     stored: dict[str, np.dtype] = dataclasses.field(default_factory=dict)  # dtype in the file
     whole: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # held whole here
+    # the global ranks of the device meshes its DTensors span, and this rank's among them
+    meshes: set[int] = dataclasses.field(default_factory=set)
+    mesh_rank: int | None = None
 
     def snapshot(self) -> LocalState:
         """A copy of the local rows (for a save in the background)."""
         return LocalState(self.documents, {k: a.copy() for k, a in self.arrays.items()},
-                          self.dtypes, self.rows, self.stored)
+                          self.dtypes, self.rows, self.stored, meshes=self.meshes,
+                          mesh_rank=self.mesh_rank)
 
     def layout(self) -> dict:
         return {key: (self.dtypes[key], list(self.rows[key].shape)) for key in sorted(self.rows)}
@@ -165,7 +169,9 @@ def collect_local(state: Mapping[str, Any], rank: int) -> LocalState:
             if held is None:  # the same on every rank: rank 0 stores it
                 rows = Rows(0, row_count(array.shape), tuple(array.shape), rank == 0)
             else:
-                rows = held[0]
+                rows, mesh = held[0], held[1].device_mesh
+                out.meshes.update(int(r) for r in mesh.mesh.flatten().tolist())
+                out.mesh_rank = int(mesh.get_rank())
             out.rows[key] = rows
             out.stored[key] = array.dtype
             if (rows.start, rows.stop) == (0, row_count(rows.shape)):
@@ -173,6 +179,23 @@ def collect_local(state: Mapping[str, Any], rank: int) -> LocalState:
             if rows.writer and rows.stop > rows.start and array.nbytes:
                 out.arrays[key] = array
     return out
+
+
+def check_joined(comm: Comm, local: LocalState, what: str) -> None:
+    """Collective, before anything of a save is written: refuse to save sharded state that
+    ranks holding rows of it did not join (a rank saving alone: checkpoint/solo.py), naming
+    them. Each rank's rows are its own: without theirs no tensor would be whole."""
+    joined = comm.allgather(local.mesh_rank, what=what + " (which ranks save)")
+    with agreement(comm, what, kind=CheckpointCollectiveError):
+        absent = sorted(local.meshes - set(joined))
+        if absent:
+            saving = sorted(r for r in joined if r is not None)
+            raise CheckpointError(
+                f"rank(s) {absent} did not join the save: a sharded (FSDP) checkpoint holds "
+                f"the rows each rank owns, and only rank(s) {saving} are saving theirs",
+                "call the save on every rank, not under `if accelerator.is_main_process:` (a "
+                "fully sharded model's state is spread over all of them).",
+            )
 
 
 def block_digests(array: np.ndarray, rows_per_block: int) -> list[str]:
@@ -362,6 +385,7 @@ def save_sharded(
         local = collect_local(state, comm.rank)
         if saver is not None:
             local = local.snapshot()
+    check_joined(comm, local, what)
     check_same_on_every_rank(comm, what, local.documents, local.layout())
     if saver is None:
         return write_local(comm, directory, stem, local, metadata)

@@ -37,6 +37,7 @@ from .format import (
     CheckpointCollectiveError,
     CheckpointError,
     dataset_name,
+    dtype_name,
     flatten,
     from_numpy,
     storage_dtype,
@@ -69,6 +70,29 @@ def _names(document: Any) -> set[str]:
     names: set[str] = set()
     unflatten(document, lambda name, kind: names.add(name))
     return names
+
+
+def differences(reader: CheckpointReader, component: str,
+                tree: Any) -> tuple[list[str], list[str]]:
+    """What plan() lets pass between the checkpoint's `component` and the state tree `tree` (a
+    target, as plan() takes it): the names of the checkpoint's tensors that `tree` lacks
+    ("state.0.exp_avg"), and the keys of the tensors whose dtype differs, each as
+    "'key': <dtype here>, <dtype in the checkpoint>". Not collective."""
+    index = reader.index
+    document = index.components.get(component)
+    if document is None:
+        return [], []
+    local_tree, _ = localize(tree, component)
+    _, tensors = flatten(local_tree, component)
+    dtypes = []
+    for name, value in tensors.items():
+        key = dataset_name(component, name)
+        entry = index.sliced.get(key) or index.tensors.get(key)
+        if entry is not None and isinstance(value, torch.Tensor) and (
+                dtype_name(value.dtype) != entry.dtype):
+            dtypes.append(f"{key!r}: {dtype_name(value.dtype)} here, {entry.dtype} in the "
+                          "checkpoint")
+    return sorted(_names(document) - set(tensors)), dtypes
 
 
 def _stored(entry: TensorEntry | SlicedTensor, key: str) -> np.dtype:

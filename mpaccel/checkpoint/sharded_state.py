@@ -23,11 +23,11 @@ from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError
 from .index_read import index_path
 from .reader import CheckpointReader
-from .sharded import SHARDED_STEM, LocalState, collect_local, write_local
-from .sharded_read import Plan, apply, fill_plan, plan, read_plan
+from .sharded import SHARDED_STEM, LocalState, check_joined, collect_local, write_local
+from .sharded_read import Plan, apply, differences, fill_plan, plan, read_plan
 from .stateful import TrainingState
 from .storage import check_same_on_every_rank, fsync_path
-from .training_state import load_into
+from .training_state import Rollback, check_optimizer, copy_of, load_into
 
 STATE_STEM = "state"
 SAVE_ID = "sharded"  # the key of the state index's metadata naming the sharded part's save id
@@ -94,6 +94,24 @@ class SummedGradients:
                 out[name] = total.detach()
         return out
 
+    def restorer(self) -> Any:
+        """A callable that gives the model back the gradients it holds now (its `.grad`s and
+        FSDP's pending ones), which load_state_dict() replaces."""
+        grads = [(p, p.grad) for p in self._params().values()]
+        pending = [(f, f.unsharded_accumulated_grad,
+                    f._unsharded_param.grad if hasattr(f, "_unsharded_param") else None)
+                   for f in self._pending()]
+
+        def restore() -> None:
+            for p, grad in grads:
+                p.grad = grad
+            for f, accumulated, unsharded in pending:
+                f.unsharded_accumulated_grad = accumulated
+                if hasattr(f, "_unsharded_param"):
+                    f._unsharded_param.grad = unsharded
+
+        return restore
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         params = self._params()
         for fsdp_param in self._pending():
@@ -120,6 +138,7 @@ def collect(comm: Comm, objects: TrainingState, what: str, copy: bool) -> LocalS
         local = collect_local(state, comm.rank)
         if copy:
             local = local.snapshot()
+    check_joined(comm, local, what)
     check_same_on_every_rank(comm, what, local.documents, local.layout())
     return local
 
@@ -197,7 +216,8 @@ def write(comm: Comm, directory: str, local: LocalState | None) -> dict[str, Any
 class ShardedLoad:
     """The objects of a load_state that go through rows: the `sharded` Statefuls, and the
     models and optimizers that the checkpoint holds in its sharded part. read() (collective)
-    verifies them, changing nothing; apply() reads them in place and hands them over."""
+    checks and verifies them, changing nothing; load_state then applies them with the rest of
+    the load, under its rollback: fill() reads them in place, hand_over() hands them over."""
 
     def __init__(self, objects: TrainingState, state: CheckpointReader) -> None:
         self.save_id = state.index.metadata.get(SAVE_ID)
@@ -237,7 +257,7 @@ class ShardedLoad:
             optional=objects.optional,
         )
         self.plans: list[Plan] = []
-        self.readers: list[CheckpointReader] = []  # open from read() to apply()
+        self.readers: list[CheckpointReader] = []  # open from read() to fill()
 
     def _check(self, reader: CheckpointReader) -> None:
         if reader.index.save_id != self.save_id:
@@ -249,10 +269,12 @@ class ShardedLoad:
                 "directory of its own).",
             )
 
-    def read(self, comm: Comm, what: str, limit: float) -> None:
-        """Collective: plan every target's rows and verify them in the files (those that cannot
-        be read in place: read into new memory and verified there), changing nothing. The
-        readers stay open for apply() (close() on the way out of a load that fails first)."""
+    def read(self, comm: Comm, what: str, limit: float, strict: bool = True) -> None:
+        """Collective, step 1 of the load for these objects, which changes nothing: check every
+        target against the checkpoint (check_target: keys both ways, param groups; plan:
+        global shapes and dtypes), plan its rows and verify them in the files (those that
+        cannot be read in place: read into new memory and verified there); every rank agrees.
+        The readers stay open for fill() (close() on the way out of a load that fails)."""
         ok = False
         try:
             with agreement(comm, what + " (matching the sharded state)",
@@ -268,6 +290,8 @@ class ShardedLoad:
                     if stem == SHARDED_STEM:
                         self._check(reader)
                     target = {n: self.targets[n][0].state_dict() for n in names}
+                    for name in names:
+                        check_target(reader, name, self.targets[name][0], target[name], strict)
                     self.plans.append(plan(reader, target, in_place_ranks=comm.size))
                     rawio.within(limit, what, functools.partial(read_plan, reader,
                                                                 self.plans[-1]))
@@ -281,20 +305,86 @@ class ShardedLoad:
             reader.close()
         self.readers.clear()
 
-    def apply(self, comm: Comm, what: str, model_options: dict[str, Any],
-              limit: float) -> None:
-        """Collective, once every rank verified everything: read the verified rows straight
-        into the targets (the others: copy them from new memory) and hand each its state."""
-        try:
-            with agreement(comm, what + " (reading the sharded state in place)",
-                           kind=CheckpointCollectiveError):
-                for reader, planned in zip(self.readers, self.plans, strict=True):
-                    rawio.within(limit, what, functools.partial(fill_plan, reader, planned))
-        finally:
-            self.close()
-        with agreement(comm, what + " (handing over the sharded state)",
-                       kind=CheckpointCollectiveError):
-            for planned in self.plans:
-                for name, state in apply(planned).items():
-                    load_into(name, self.targets[name][0], state, self.directory,
-                              model_options)
+    def names(self) -> list[str]:
+        return list(self.targets)
+
+    def fill(self) -> None:
+        """Not collective; once every rank applied everything else of the load: read the rows
+        read() verified in the files straight into the targets' tensors (cannot be taken
+        back: a load that fails from here on says so). Under the caller's rawio.within."""
+        for reader, planned in zip(self.readers, self.plans, strict=True):
+            fill_plan(reader, planned)
+
+    def hand_over(self, rollback: Rollback, model_options: dict[str, Any]) -> None:
+        """Not collective; after fill() on every rank: copy the rows read into new memory into
+        the targets and hand each target its state (load_state_dict), each step's undo added
+        to `rollback` first."""
+        assign = bool(model_options.get("assign"))
+        for planned in self.plans:
+            copied = [(item.target, item.target.detach().clone()) for item in planned.items
+                      if item.out is not None and isinstance(item.target, torch.Tensor)]
+            rollback.add(", ".join(planned.documents), functools.partial(_put_back, copied))
+            for name, state in apply(planned).items():
+                target = self.targets[name][0]
+                rollback.add(name, _undo_step(target, assign))
+                load_into(name, target, state, self.directory, model_options)
+
+
+def check_target(reader: CheckpointReader, name: str, obj: Any, tree: Any, strict: bool) -> None:
+    """Refuse the checkpoint's `name` unless `obj` (whose state_dict() is `tree`) takes it as
+    it is: a tensor of the checkpoint the target lacks is refused (a model loaded with
+    strict=False lets it be; a fresh optimizer takes the state of parameters it has none
+    for), so is another dtype, and an optimizer's param groups must have its number and
+    sizes. A tensor the checkpoint lacks, another global shape: plan() refuses them. Not
+    collective."""
+    document = reader.index.components.get(name)
+    where = reader.directory
+    if document is None:
+        return  # plan() names what the checkpoint holds
+    extra, dtypes = differences(reader, name, tree)
+    if isinstance(obj, torch.nn.Module):
+        extra = extra if strict else []
+    elif isinstance(tree, dict) and "param_groups" in tree:
+        check_optimizer(name, tree, document, where)
+        live = {str(pid) for pid in tree.get("state", {})}
+        fresh = [str(pid) for group in document["param_groups"] for pid in group["params"]
+                 if str(pid) not in live]
+        extra = [n for n in extra if not any(n.startswith(f"state.{pid}.") for pid in fresh)]
+    if extra:
+        keys = [f"{name}/{n}" for n in extra]
+        raise CheckpointError(
+            f"cannot load {name} from {where!r}: the checkpoint holds {len(keys)} tensor(s) "
+            f"that the object to load into lacks: {keys[:5]!r}"
+            + (" ..." if len(keys) > 5 else ""),
+            "load into the model and optimizer that were saved (same configuration), or pass "
+            "strict=False to load_state() to leave a model's extra keys out.",
+        )
+    if dtypes:
+        raise CheckpointError(
+            f"cannot load {name} from {where!r}: {len(dtypes)} tensor(s) have another dtype "
+            f"than in the checkpoint: {'; '.join(dtypes[:5])}" + (" ..." if len(dtypes) > 5
+                                                                 else ""),
+            "load into a model built as the saved one was, in the saved dtype (convert it "
+            "after loading).",
+        )
+
+
+def _put_back(copied: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for target, kept in copied:
+            target.copy_(kept)
+
+
+def _undo_step(target: Any, assign: bool) -> Any:
+    """How to give `target` back the state it has now, once a load handed it another."""
+    if isinstance(target, torch.nn.Module):
+        held = target.state_dict(keep_vars=True)
+        return functools.partial(target.load_state_dict, held, strict=False, assign=assign)
+    if isinstance(target, SummedGradients):
+        return target.restorer()
+    state = target.state_dict()
+    if isinstance(state, dict) and isinstance(state.get("state"), dict):  # an optimizer's
+        state = {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
+    else:
+        state = copy_of(state)
+    return functools.partial(target.load_state_dict, state)

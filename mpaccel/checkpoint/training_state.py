@@ -129,9 +129,16 @@ def _check_model(
 
 def _optimizer_target(name: str, opt: Any, document: Any, directory: str) -> Any:
     """The optimizer's live state_dict to read into, once the checkpoint's is checked to be one
-    its load_state_dict takes: param groups of the same number and sizes (what torch refuses,
-    refused here, before anything of the load is applied)."""
+    its load_state_dict takes (check_optimizer)."""
     live = opt.state_dict()
+    check_optimizer(name, live, document, directory)
+    return live
+
+
+def check_optimizer(name: str, live: Any, document: Any, directory: str) -> None:
+    """Refuse the checkpoint's optimizer state `document` unless the optimizer whose
+    state_dict() is `live` takes it: param groups of the same number and sizes (what torch
+    refuses, refused before anything of the load is applied). Not collective."""
     saved = document.get("param_groups") if isinstance(document, dict) else None
     if (
         not isinstance(saved, list)
@@ -151,7 +158,6 @@ def _optimizer_target(name: str, opt: Any, document: Any, directory: str) -> Any
             "the checkpoint was written for another optimizer layout (or prepare() was called "
             "in another order).",
         )
-    return live
 
 
 class Rollback:
@@ -189,7 +195,7 @@ class Loaded:
     notes: list[str]  # warnings for the main process
 
 
-def _copy_of(state: Any) -> Any:
+def copy_of(state: Any) -> Any:
     """A state_dict() to give back on failure, safe from a load_state_dict that changes the
     dicts and lists it was given (as is) in place."""
     try:
@@ -266,10 +272,10 @@ def _check(
     apply_states() hands theirs to, to give back on failure."""
     directory = reader.directory
     before = {
-        name: _copy_of(obj.state_dict()) for name, obj in objects.shared.items() if name in trees
+        name: copy_of(obj.state_dict()) for name, obj in objects.shared.items() if name in trees
     }
     before.update({
-        f"rank:{name}": _copy_of(obj.state_dict())
+        f"rank:{name}": copy_of(obj.state_dict())
         for name, obj in objects.per_rank.items()
         if f"rank:{name}" in trees
     })
