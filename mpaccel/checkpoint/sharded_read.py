@@ -37,7 +37,6 @@ from .format import (
     CheckpointCollectiveError,
     CheckpointError,
     dataset_name,
-    dtype_name,
     flatten,
     from_numpy,
     storage_dtype,
@@ -72,27 +71,16 @@ def _names(document: Any) -> set[str]:
     return names
 
 
-def differences(reader: CheckpointReader, component: str,
-                tree: Any) -> tuple[list[str], list[str]]:
-    """What plan() lets pass between the checkpoint's `component` and the state tree `tree` (a
-    target, as plan() takes it): the names of the checkpoint's tensors that `tree` lacks
-    ("state.0.exp_avg"), and the keys of the tensors whose dtype differs, each as
-    "'key': <dtype here>, <dtype in the checkpoint>". Not collective."""
-    index = reader.index
-    document = index.components.get(component)
+def differences(reader: CheckpointReader, component: str, tree: Any) -> list[str]:
+    """The names of the checkpoint's tensors in `component` that the state tree `tree` (a
+    target, as plan() takes it) lacks ("state.0.exp_avg"): what plan() lets pass. Not
+    collective."""
+    document = reader.index.components.get(component)
     if document is None:
-        return [], []
+        return []
     local_tree, _ = localize(tree, component)
     _, tensors = flatten(local_tree, component)
-    dtypes = []
-    for name, value in tensors.items():
-        key = dataset_name(component, name)
-        entry = index.sliced.get(key) or index.tensors.get(key)
-        if entry is not None and isinstance(value, torch.Tensor) and (
-                dtype_name(value.dtype) != entry.dtype):
-            dtypes.append(f"{key!r}: {dtype_name(value.dtype)} here, {entry.dtype} in the "
-                          "checkpoint")
-    return sorted(_names(document) - set(tensors)), dtypes
+    return sorted(_names(document) - set(tensors))
 
 
 def _stored(entry: TensorEntry | SlicedTensor, key: str) -> np.dtype:

@@ -334,14 +334,14 @@ def check_target(reader: CheckpointReader, name: str, obj: Any, tree: Any, stric
     """Refuse the checkpoint's `name` unless `obj` (whose state_dict() is `tree`) takes it as
     it is: a tensor of the checkpoint the target lacks is refused (a model loaded with
     strict=False lets it be; a fresh optimizer takes the state of parameters it has none
-    for), so is another dtype, and an optimizer's param groups must have its number and
-    sizes. A tensor the checkpoint lacks, another global shape: plan() refuses them. Not
-    collective."""
+    for), and an optimizer's param groups must have its number and sizes. A tensor the
+    checkpoint lacks, another global shape: plan() refuses them. Another dtype is converted
+    as torch's load_state_dict converts it, as on the HDF5 path. Not collective."""
     document = reader.index.components.get(name)
     where = reader.directory
     if document is None:
         return  # plan() names what the checkpoint holds
-    extra, dtypes = differences(reader, name, tree)
+    extra = differences(reader, name, tree)
     if isinstance(obj, torch.nn.Module):
         extra = extra if strict else []
     elif isinstance(tree, dict) and "param_groups" in tree:
@@ -358,14 +358,6 @@ def check_target(reader: CheckpointReader, name: str, obj: Any, tree: Any, stric
             + (" ..." if len(keys) > 5 else ""),
             "load into the model and optimizer that were saved (same configuration), or pass "
             "strict=False to load_state() to leave a model's extra keys out.",
-        )
-    if dtypes:
-        raise CheckpointError(
-            f"cannot load {name} from {where!r}: {len(dtypes)} tensor(s) have another dtype "
-            f"than in the checkpoint: {'; '.join(dtypes[:5])}" + (" ..." if len(dtypes) > 5
-                                                                 else ""),
-            "load into a model built as the saved one was, in the saved dtype (convert it "
-            "after loading).",
         )
 
 
