@@ -156,7 +156,7 @@ MODULE_NAMES: dict[str, dict[str, Reason]] = {
             "BnbQuantizationConfig load_and_quantize_model calculate_maximum_sizes "
             "check_device_map check_tied_parameters_in_config "
             "check_tied_parameters_on_same_device compute_module_sizes get_balanced_memory "
-            "get_max_layer_size get_max_memory has_4bit_bnb_layers has_offloaded_params "
+            "get_max_memory has_4bit_bnb_layers has_offloaded_params "
             "OffloadedWeightsLoader PrefixedDataset load_offloaded_weight "
             "load_offloaded_weights offload_state_dict offload_weight save_offload_index "
             "set_module_tensor_to_device named_module_tensors find_tied_parameters "
