@@ -193,6 +193,51 @@ MODULE_NAMES: dict[str, dict[str, Reason]] = {
     },
 }
 
+_TEST_UTILS = Reason(
+    "Accelerate's own test helpers (its test scripts, markers and launch wrappers) test "
+    "Accelerate",
+    "mpaccel's pytest plugin and mpaccel.testing.run_mpi (docs/testing.md).",
+)
+_WRAPPERS = Reason(
+    "a module of Accelerate's internals; mpaccel has its own behind Accelerator.prepare()",
+    "Accelerator.prepare() and the names Accelerate exports from `accelerate` and "
+    "`accelerate.utils` (docs/compatibility.md).",
+)
+
+# Accelerate's modules that mpaccel does not have (by the mpaccel path they would take): why.
+# `mpaccel run` refuses an import of one with this reason (mpaccel/accelerate_alias.py).
+MODULES: dict[str, Reason] = {
+    **_each("mpaccel.test_utils", _TEST_UTILS),
+    **_each("mpaccel.utils.megatron_lm", _MEGATRON),
+    **_each("mpaccel.utils.ao mpaccel.utils.transformer_engine", _FP8),
+    **_each("mpaccel.inference", _PARALLELISM),
+    **_each("mpaccel.utils.bnb mpaccel.utils.offload", _BIG_MODEL),
+    **_each(
+        "mpaccel.launchers mpaccel.utils.launch mpaccel.utils.environment "
+        "mpaccel.commands.accelerate_cli mpaccel.commands.estimate mpaccel.commands.merge "
+        "mpaccel.commands.menu mpaccel.commands.test mpaccel.commands.to_fsdp2 "
+        "mpaccel.commands.tpu mpaccel.commands.utils",
+        _LAUNCHER,
+    ),
+    **_each("mpaccel.utils.torch_xla", _XLA),
+    **_each(
+        "mpaccel.checkpointing mpaccel.optimizer mpaccel.scheduler mpaccel.memory_utils "
+        "mpaccel.utils.rich mpaccel.utils.tqdm",
+        _WRAPPERS,
+    ),
+}
+
+
+def module_reason(module: str) -> Reason | None:
+    """Why mpaccel lacks `module` (or the package it is in), None when it is not listed."""
+    parts = module.split(".")
+    for end in range(len(parts), 1, -1):
+        reason = MODULES.get(".".join(parts[:end]))
+        if reason is not None:
+            return reason
+    return None
+
+
 # The constants: Accelerate's values, plain data a script may format into a path or compare
 # (the reason above says why mpaccel does not use them).
 VALUES: dict[str, object] = {
