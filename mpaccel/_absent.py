@@ -156,7 +156,7 @@ MODULE_NAMES: dict[str, dict[str, Reason]] = {
             "BnbQuantizationConfig load_and_quantize_model calculate_maximum_sizes "
             "check_device_map check_tied_parameters_in_config "
             "check_tied_parameters_on_same_device compute_module_sizes get_balanced_memory "
-            "get_max_layer_size get_max_memory has_4bit_bnb_layers has_offloaded_params "
+            "get_max_memory has_4bit_bnb_layers has_offloaded_params "
             "OffloadedWeightsLoader PrefixedDataset load_offloaded_weight "
             "load_offloaded_weights offload_state_dict offload_weight save_offload_index "
             "set_module_tensor_to_device named_module_tensors find_tied_parameters "
@@ -192,6 +192,51 @@ MODULE_NAMES: dict[str, dict[str, Reason]] = {
         **_each("do_nothing", _INTERNAL),
     },
 }
+
+_TEST_UTILS = Reason(
+    "Accelerate's own test helpers (its test scripts, markers and launch wrappers) test "
+    "Accelerate",
+    "mpaccel's pytest plugin and mpaccel.testing.run_mpi (docs/testing.md).",
+)
+_WRAPPERS = Reason(
+    "a module of Accelerate's internals; mpaccel has its own behind Accelerator.prepare()",
+    "Accelerator.prepare() and the names Accelerate exports from `accelerate` and "
+    "`accelerate.utils` (docs/compatibility.md).",
+)
+
+# Accelerate's modules that mpaccel does not have (by the mpaccel path they would take): why.
+# `mpaccel run` refuses an import of one with this reason (mpaccel/accelerate_alias.py).
+MODULES: dict[str, Reason] = {
+    **_each("mpaccel.test_utils", _TEST_UTILS),
+    **_each("mpaccel.utils.megatron_lm", _MEGATRON),
+    **_each("mpaccel.utils.ao mpaccel.utils.transformer_engine", _FP8),
+    **_each("mpaccel.inference", _PARALLELISM),
+    **_each("mpaccel.utils.bnb mpaccel.utils.offload", _BIG_MODEL),
+    **_each(
+        "mpaccel.launchers mpaccel.utils.launch mpaccel.utils.environment "
+        "mpaccel.commands.accelerate_cli mpaccel.commands.estimate mpaccel.commands.merge "
+        "mpaccel.commands.menu mpaccel.commands.test mpaccel.commands.to_fsdp2 "
+        "mpaccel.commands.tpu mpaccel.commands.utils",
+        _LAUNCHER,
+    ),
+    **_each("mpaccel.utils.torch_xla", _XLA),
+    **_each(
+        "mpaccel.checkpointing mpaccel.optimizer mpaccel.scheduler mpaccel.memory_utils "
+        "mpaccel.utils.rich mpaccel.utils.tqdm",
+        _WRAPPERS,
+    ),
+}
+
+
+def module_reason(module: str) -> Reason | None:
+    """Why mpaccel lacks `module` (or the package it is in), None when it is not listed."""
+    parts = module.split(".")
+    for end in range(len(parts), 1, -1):
+        reason = MODULES.get(".".join(parts[:end]))
+        if reason is not None:
+            return reason
+    return None
+
 
 # The constants: Accelerate's values, plain data a script may format into a path or compare
 # (the reason above says why mpaccel does not use them).

@@ -100,6 +100,18 @@ class _Host(Protocol):
     ) -> Any: ...
 
 
+def _prepared_before(model: torch.nn.Module, sharded: bool) -> bool:
+    """`model` is what a prepare() made (DDP; a sharded model under FSDP): preparing it again
+    would wrap a DDP in another, or shard the shards."""
+    if distributed.ddp_of(model) is not None:
+        return True
+    if not sharded:
+        return False
+    from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+    return fsdp.fsdp_module(model) is not None
+
+
 class TrainingMethods:
     """Preparing objects and the training step: Accelerator's methods for them."""
 
@@ -157,7 +169,9 @@ class TrainingMethods:
         evaluation_mode: bool = False,
     ) -> torch.nn.Module:
         """Collective when distributed (DDP broadcasts rank 0's parameters and buffers). A
-        model prepared already (or the module inside one) gives back its prepared model.
+        model prepared already (or the module inside one) gives back its prepared model;
+        a DDP or sharded model prepared before free_memory() (transformers' Trainer prepares in
+        evaluate(), frees, prepares again in train()) comes back as it is.
         With a dynamo backend (Accelerator(dynamo_backend=...) or dynamo_plugin=), the model
         returned is torch.compile's wrapper around it, made last, as Accelerate does; with
         TorchDynamoPlugin(use_regional_compilation=True), compile_regions' copy of it (each
@@ -169,6 +183,9 @@ class TrainingMethods:
                     model
                 )
                 return model if compiled else prepared
+        if _prepared_before(model, self.state.fsdp_plugin is not None):
+            self._models.append(model)  # by a prepare() before free_memory(), as Trainer does
+            return model
         placement = device_placement if device_placement is not None else self.device_placement
         if self.state.fsdp_plugin is not None:  # collective: fully_shard in place
             from . import sharding

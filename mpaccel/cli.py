@@ -1,5 +1,6 @@
 """The `mpaccel` command: `mpaccel env` prints a plain-text report to paste into a bug report;
-`mpaccel slurm template NAME` prints a job script; `mpaccel --version`.
+`mpaccel slurm template NAME` prints a job script; `mpaccel run SCRIPT` runs a program with
+`accelerate` resolved to mpaccel; `mpaccel --version`.
 
 `collect_env_facts()` gathers the facts (collective under mpiexec/srun), `render_env_report()`
 turns them into text (pure, pinned by golden files).
@@ -344,6 +345,59 @@ def _run_slurm_template(args: argparse.Namespace) -> int:
     return 0
 
 
+_RUN_USAGE = "usage: mpaccel run [-h] (SCRIPT | -m MODULE) [ARGS...]\n"
+
+
+def _run_program(program: list[str]) -> int:
+    """`mpaccel run [-m MODULE | SCRIPT] [ARGS...]` on every rank: the program runs in this
+    process as `python SCRIPT ARGS` would, with `accelerate` resolved to mpaccel. Read by hand,
+    not by argparse: every argument after SCRIPT or MODULE is the program's (`--help` too)."""
+    import runpy
+
+    from . import accelerate_alias
+
+    if program[:1] in (["-h"], ["--help"]):
+        build_parser().parse_args(["run", "--help"])  # prints the help and exits 0
+    module = program[1] if program[:1] == ["-m"] and len(program) > 1 else None
+    if module is None and (not program or program[0].startswith("-")):
+        given = f"unknown option {program[0]!r}" if program else "which script?"
+        sys.stderr.write(f"{_RUN_USAGE}mpaccel run: {given}\nHINT: `mpaccel run train.py "
+                         "--lr 1e-4`, `mpaccel run -m my_package.train`\n")
+        return 2
+    accelerate_alias.install()
+    if (_env.rank_before_init() or 0) == 0:
+        sys.stderr.write(
+            f"mpaccel run: `accelerate` is mpaccel {__version__} in this process (Accelerate "
+            f"{accelerate_alias.ACCELERATE_VERSION}'s API; names mpaccel lacks are refused "
+            "with a HINT: docs/huggingface.md)\n"
+        )
+        sys.stderr.flush()
+    if module is not None:
+        sys.argv = [module, *program[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(program)
+        sys.path[0] = os.path.dirname(os.path.abspath(program[0]))
+        runpy.run_path(program[0], run_name="__main__")
+    return 0
+
+
+def _add_run_command(commands: Any) -> None:
+    run = commands.add_parser(
+        "run",
+        help="run a program with `accelerate` resolved to mpaccel (Trainer, TRL, ...)",
+        description="Run SCRIPT (or -m MODULE) with its ARGS as `python` would, with `import "
+        "accelerate` and every `accelerate.X` resolved to mpaccel, so that libraries built on "
+        "Accelerate (transformers' Trainer, TRL) use mpaccel unmodified. Start it on every rank: "
+        "`mpiexec -n 4 mpaccel run train.py --epochs 3`, `srun mpaccel run train.py`.",
+    )
+    run.usage = _RUN_USAGE[len("usage: "):].strip()
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run library module MODULE")
+    run.add_argument("program", nargs="?", metavar="SCRIPT", help="the script to run")
+    run.add_argument("args", nargs="*", metavar="ARGS", help="the arguments of the program")
+
+
 def _add_slurm_commands(commands: Any) -> None:
     slurm = commands.add_parser(
         "slurm", help="Slurm job scripts", description="Slurm job scripts."
@@ -388,10 +442,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_commands(commands)
     _add_slurm_commands(commands)
+    _add_run_command(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        return _run_program(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from typing import Any
 
 import torch
@@ -28,39 +29,49 @@ def _optimizer_dir(output_dir: str, index: int) -> str:
     return os.path.join(os.fspath(output_dir), f"optimizer_{index}")
 
 
-def _no_adapters(adapter_only: bool) -> None:
-    if adapter_only:
-        raise CheckpointError(
-            "adapter_only=True (PEFT adapters) is not supported by mpaccel's FSDP checkpoints",
-            "save the whole model (adapter_only=False), or save the adapter with PEFT's own "
-            "save_pretrained on the main process.",
-        )
+def _is_peft(module: torch.nn.Module) -> bool:
+    # utils.modeling.is_peft_model asks the same, one layer up, importing peft (~4 s); a model
+    # can only be a PeftModel where peft was imported already.
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
+
+
+def _model_state(module: torch.nn.Module, adapter_only: bool) -> tuple[dict[str, Any], bool]:
+    """(the state to save or load, whether it is the adapter's alone). adapter_only has
+    Accelerate's meaning: the trainable parameters of a PEFT model; ignored for other models
+    (transformers' Trainer passes it for every model)."""
+    state = module.state_dict()
+    if not (adapter_only and _is_peft(module)):
+        return state, False
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trainable}, True
 
 
 def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module,
                     output_dir: str, model_index: int = 0, adapter_only: bool = False,
                     use_dcp: bool = True) -> None:
     """Collective: the model's state as each rank's rows, in output_dir/pytorch_model_fsdp_<i>
-    (`fsdp_plugin` and `use_dcp` are Accelerate's; the layout is always sharded)."""
+    (`fsdp_plugin` and `use_dcp` are Accelerate's; the layout is always sharded). With
+    adapter_only, a PEFT model's trainable (adapter) parameters alone; other models whole."""
     del fsdp_plugin, use_dcp
-    _no_adapters(adapter_only)
     module = accelerator.unwrap_model(model)
-    save_sharded(PartialState().comm, _model_dir(output_dir, model_index),
-                 {"model": module.state_dict()})
+    state, _ = _model_state(module, adapter_only)
+    save_sharded(PartialState().comm, _model_dir(output_dir, model_index), {"model": state})
 
 
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, input_dir: str,
                     model_index: int = 0, adapter_only: bool = False,
                     use_dcp: bool = True) -> None:
     """Collective: load what save_fsdp_model wrote (at any world size: each rank reads its
-    rows); `input_dir` may also name the pytorch_model_fsdp_<i> directory itself."""
+    rows); `input_dir` may also name the pytorch_model_fsdp_<i> directory itself. With
+    adapter_only, a PEFT model loads its trainable (adapter) parameters alone."""
     del fsdp_plugin, use_dcp
-    _no_adapters(adapter_only)
     module = accelerator.unwrap_model(model)
     directory = _model_dir(input_dir, model_index)
     directory = directory if os.path.isdir(directory) else os.fspath(input_dir)
-    loaded = load_sharded(PartialState().comm, directory, {"model": module.state_dict()})
-    module.load_state_dict(loaded["model"])
+    state, adapters = _model_state(module, adapter_only)
+    loaded = load_sharded(PartialState().comm, directory, {"model": state})
+    module.load_state_dict(loaded["model"], strict=not adapters)
 
 
 def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
@@ -77,9 +88,9 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
                         adapter_only: bool = False, use_dcp: bool = True) -> None:
     """Collective: load what save_fsdp_optimizer wrote; an optimizer that has not stepped gets
     its state created first (its shards then receive their rows), and dropped again if the
-    load fails."""
-    del fsdp_plugin, accelerator, model, use_dcp
-    _no_adapters(adapter_only)
+    load fails. `adapter_only` changes nothing: the optimizer holds the trainable parameters
+    alone either way."""
+    del fsdp_plugin, accelerator, model, adapter_only, use_dcp
     directory = _optimizer_dir(input_dir, optimizer_index)
     directory = directory if os.path.isdir(directory) else os.fspath(input_dir)
     from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)

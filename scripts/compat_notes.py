@@ -62,7 +62,8 @@ DIFFERS: dict[str, str] = {
         U + name: (
             "writes and reads mpaccel's sharded HDF5 checkpoints (each rank its own rows, "
             "loadable at any world size) under Accelerate's directory names, not DCP's files; "
-            "adapter_only=True and merge_fsdp_weights(safe_serialization=False) are refused "
+            "adapter_only=True saves a PEFT model's adapter alone (other models whole, as "
+            "Accelerate); merge_fsdp_weights(safe_serialization=False) is refused "
             "(docs/training.md)"
         )
         for name in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer",

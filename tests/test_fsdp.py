@@ -144,6 +144,26 @@ def test_parameters_gradients_and_optimizer_state_are_sharded(comm):
     assert sum(p.numel() for p in Tiny().parameters()) == total
 
 
+def test_a_sharded_model_prepared_again_comes_back_as_it_is(comm):
+    """transformers' Trainer prepares in evaluate(), calls free_memory(), then prepares the
+    sharded model again in train(): it is not sharded a second time, and it trains as one
+    process does."""
+    acc = _fresh()
+    model = acc.prepare(Tiny())
+    acc.free_memory()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    again, opt, loader = acc.prepare(model, opt, DataLoader(_data(), GLOBAL_BATCH // comm.size))
+    assert again is model and acc._models == [model]
+    losses = []
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        acc.backward(loss)
+        losses.append(acc.reduce(loss.detach(), "mean").item())
+        opt.step()
+        opt.zero_grad()
+    assert losses == pytest.approx(_reference(_data(), 1, 1)[1], rel=1e-5)
+
+
 def test_clip_grad_norm_is_the_whole_models(comm):
     acc = _fresh()
     model, _, _, norms = _train(acc, 1, epochs=1, clip=0.05)

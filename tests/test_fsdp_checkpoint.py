@@ -317,6 +317,46 @@ def test_accelerates_fsdp_helpers_save_load_and_merge(comm, mpi_tmp_path):
         _close(safetensors.torch.load_file(path), full)
 
 
+def test_adapter_only_is_ignored_for_a_model_without_adapters(comm, mpi_tmp_path):
+    """transformers' Trainer passes adapter_only=True for every model; Accelerate applies it to
+    PEFT models alone and saves any other whole."""
+    from mpaccel.utils import load_fsdp_model, save_fsdp_model
+
+    acc = _accelerator()
+    model, opt, loader, sched = _prepared(acc)
+    out = str(mpi_tmp_path / "out")
+    save_fsdp_model(acc.state.fsdp_plugin, acc, model, out, adapter_only=True)
+    expected = {k: v for k, v in _full(acc, model, opt).items() if k.startswith("model/")}
+    acc = _accelerator()
+    model, opt, loader, sched = _prepared(acc, seed=7)
+    load_fsdp_model(acc.state.fsdp_plugin, acc, model, out, adapter_only=True)
+    _close({k: v for k, v in _full(acc, model, opt).items() if k.startswith("model/")}, expected)
+
+
+def test_adapter_only_saves_and_loads_a_peft_models_adapter_alone(comm, mpi_tmp_path):
+    peft = pytest.importorskip("peft")
+    from mpaccel.utils import load_fsdp_model, save_fsdp_model
+
+    def lora(seed: int):
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(r=2, target_modules=["fc"], init_lora_weights=False)
+        return peft.get_peft_model(Tiny(seed=1), config)
+
+    acc = _accelerator()
+    model = acc.prepare(lora(seed=3))
+    out = str(mpi_tmp_path / "out")
+    save_fsdp_model(acc.state.fsdp_plugin, acc, model, out, adapter_only=True)
+    saved = json.loads((mpi_tmp_path / "out" / "pytorch_model_fsdp_0" /
+                        "sharded.index.json").read_text())
+    names = json.dumps(saved)
+    assert "lora_A" in names and "fc.base_layer.weight" not in names
+    expected = _full(acc, model, torch.optim.SGD([torch.zeros(1)]))
+    acc = _accelerator()
+    model = acc.prepare(lora(seed=4))
+    load_fsdp_model(acc.state.fsdp_plugin, acc, model, out, adapter_only=True)
+    _close(_full(acc, model, torch.optim.SGD([torch.zeros(1)])), expected)
+
+
 def test_plugin_fields_are_accelerates_in_its_order(comm):
     import dataclasses
     import inspect

@@ -761,6 +761,22 @@ def test_preparing_twice_returns_what_was_prepared(comm):
     assert sched.scheduler.last_epoch == comm.size  # N steps per optimizer step, not N^2
 
 
+def test_a_model_prepared_before_free_memory_comes_back_as_it_is(comm):
+    """transformers' Trainer prepares in evaluate(), calls free_memory(), then prepares the
+    prepared model again in train(): it must come back as it is (no DDP inside a DDP)."""
+    acc = _fresh()
+    torch.manual_seed(0)
+    prepared = acc.prepare(torch.nn.Linear(2, 2))
+    acc.free_memory()
+    opt = torch.optim.SGD(prepared.parameters(), lr=0.1)
+    again, opt = acc.prepare(prepared, opt)
+    assert again is prepared and acc._models == [prepared]
+    acc.backward(again(torch.ones(1, 2)).sum())
+    opt.step()
+    weights = acc.unwrap_model(again).weight.detach()
+    assert all(torch.equal(weights, w) for w in comm.allgather(weights))
+
+
 @pytest.mark.mpi(min_size=2)
 def test_trigger_sync_in_backward_all_reduces_inside_no_sync(comm):
     acc = _fresh()

@@ -322,3 +322,68 @@ def test_compile_regions_with_inductor_computes_the_same():
     x = torch.randn(5, 3)
     compiled = compile_regions(model)
     torch.testing.assert_close(compiled(x), model(x))
+
+
+# -- the names transformers and TRL import at Accelerate's module paths (issue 28) -------------
+
+
+@local
+def test_clean_device_map_groups_what_shares_a_device():
+    from mpaccel.utils.modeling import clean_device_map
+
+    device_map = {"a.x": 0, "a.y": 0, "b.x": 0, "b.y": 1, "c": "cpu"}
+    assert clean_device_map(device_map) is device_map
+    assert device_map == {"a": 0, "b.x": 0, "b.y": 1, "c": "cpu"}
+    assert clean_device_map({"a.x": 0, "a.y": 0}) == {"": 0}  # the whole model on one device
+
+
+@local
+def test_get_max_layer_size_finds_the_largest_unsplit_layers():
+    from mpaccel.utils import get_max_layer_size
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 3)
+
+    model = torch.nn.Sequential(Block(), torch.nn.Linear(4, 4))
+    sizes = {"0": 15, "0.a": 6, "0.b": 9, "1": 20}
+    modules = list(model.named_children())
+    assert get_max_layer_size(modules, sizes, []) == (20, ["1"])
+    assert get_max_layer_size(modules[:1], sizes, []) == (9, ["0.b"])
+    assert get_max_layer_size(modules[:1], sizes, ["Block"]) == (15, ["0"])
+    assert get_max_layer_size(modules[:1], {"0.a": 9, "0.b": 9}, []) == (9, ["0.a", "0.b"])
+
+
+@local
+def test_fsdp_constants_versions_and_parameters_from_modules():
+    from mpaccel.utils import compare_versions, constants, fsdp_utils, is_torch_version, versions
+
+    assert "FULL_SHARD" in constants.FSDP_SHARDING_STRATEGY
+    assert constants.FSDP_AUTO_WRAP_POLICY == ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP",
+                                               "NO_WRAP"]
+    assert versions.is_torch_version is is_torch_version
+    assert versions.compare_versions is compare_versions
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    found = fsdp_utils.get_parameters_from_modules("1", model, "cpu")
+    assert found == set(model[1].parameters())
+    assert fsdp_utils.get_parameters_from_modules([model[0]], model, "cpu") == set(
+        model[0].parameters())
+    assert fsdp_utils.get_parameters_from_modules(None, model, "cpu") == set()
+
+
+@local
+def test_deepspeed_and_big_modeling_names_import_and_refuse_when_used():
+    from mpaccel import big_modeling, parallelism_config
+    from mpaccel.errors import ConfigurationError
+    from mpaccel.utils import deepspeed
+
+    assert deepspeed.HfDeepSpeedConfig is mpaccel.utils.HfDeepSpeedConfig
+    with pytest.raises(ConfigurationError, match="HINT: "):
+        deepspeed.HfDeepSpeedConfig({})
+    with pytest.raises(AttributeError):
+        deepspeed.no_such_name  # noqa: B018
+    with pytest.raises(ConfigurationError, match="HINT: "):
+        big_modeling.check_device_map(torch.nn.Linear(1, 1), {})
+    assert big_modeling.init_empty_weights is mpaccel.init_empty_weights
+    assert parallelism_config.ParallelismConfig is mpaccel.ParallelismConfig

@@ -136,7 +136,12 @@ from .constants import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
 )
-from .modeling import get_grad_scaler, get_mixed_precision_context_manager, is_peft_model
+from .modeling import (
+    get_grad_scaler,
+    get_max_layer_size,
+    get_mixed_precision_context_manager,
+    is_peft_model,
+)
 from .operations import (
     CannotPadNestedTensorWarning,
     TensorInformation,
@@ -288,6 +293,7 @@ __all__ += [
     "find_device",
     "get_data_structure",
     "get_grad_scaler",
+    "get_max_layer_size",
     "get_mixed_precision_context_manager",
     "get_pretty_name",
     "has_compiled_regions",

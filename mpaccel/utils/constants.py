@@ -23,3 +23,15 @@ TORCH_DISTRIBUTED_OPERATION_TYPES = [
     "MULTI_HPU",
     "MULTI_NEURON",
 ]
+
+# FSDP's option names, as Accelerate lists them for its plugin and transformers' TrainingArguments
+# checks `fsdp=` and `fsdp_config` against (mpaccel's plugin accepts FULL_SHARD and HYBRID_SHARD,
+# docs/training.md).
+FSDP_SHARDING_STRATEGY = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                          "HYBRID_SHARD_ZERO2"]
+FSDP_AUTO_WRAP_POLICY = ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
+FSDP_BACKWARD_PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
+FSDP_STATE_DICT_TYPE = ["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"]
+FSDP2_STATE_DICT_TYPE = ["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
+FSDP2_PYTORCH_VERSION = "2.6.0"
+FSDP_MODEL_NAME = "pytorch_model_fsdp"

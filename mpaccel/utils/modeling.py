@@ -1,6 +1,8 @@
-"""Accelerate's `accelerate.utils.modeling` names that training scripts use: the GradScaler and
-autocast context of the current configuration (built by mpaccel.training, as Accelerator builds
-its own), and whether a model is a PEFT model."""
+"""Accelerate's `accelerate.utils.modeling` names that training scripts and transformers use: the
+GradScaler and autocast context of the current configuration (built by mpaccel.training, as
+Accelerator builds its own), whether a model is a PEFT model, and the two device-map helpers
+transformers imports with every model (`clean_device_map`, `get_max_layer_size`: plain
+bookkeeping over module names and sizes, which mpaccel's training never calls)."""
 
 from __future__ import annotations
 
@@ -63,4 +65,55 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(extract_model_from_parallel(model), PeftModel)
 
 
-__all__ = ["get_grad_scaler", "get_mixed_precision_context_manager", "is_peft_model"]
+def get_max_layer_size(
+    modules: list[tuple[str, torch.nn.Module]],
+    module_sizes: dict[str, int],
+    no_split_module_classes: list[str],
+) -> tuple[int, list[str]]:
+    """(largest size, the names of the layers that have it) among the layers inside `modules`
+    (named modules): a layer is a module without children, or one whose class name is in
+    `no_split_module_classes`; its size is `module_sizes[name]`. Pure."""
+    largest, names = 0, []
+    pending = list(modules)
+    while pending:
+        name, module = pending.pop(0)
+        children = list(module.named_children()) if isinstance(module, torch.nn.Module) else []
+        if children and type(module).__name__ not in no_split_module_classes:
+            pending[:0] = [(f"{name}.{child}", sub) for child, sub in children]
+            continue
+        size = module_sizes[name]
+        if size > largest:
+            largest, names = size, [name]
+        elif size == largest:
+            names.append(name)
+    return largest, names
+
+
+def clean_device_map(device_map: dict[str, Any], module_name: str = "") -> dict[str, Any]:
+    """`device_map` (module name -> device), changed in place and returned: wherever every
+    entry under a module names one device, the entries become one entry for that module. Pure."""
+    prefix = f"{module_name}." if module_name else ""
+    under = [key for key in device_map if key.startswith(prefix)]
+    devices = [device_map[key] for key in under]
+    if len(devices) > 1 and all(device == devices[0] for device in devices):
+        for key in under:
+            del device_map[key]
+        device_map[module_name] = devices[0]
+    depth = len(module_name.split(".")) + 1 if module_name else 1
+    children = {
+        ".".join(key.split(".")[:depth])
+        for key in device_map
+        if key.startswith(prefix) and len(key) > len(module_name)
+    }
+    for child in children:
+        clean_device_map(device_map, child)
+    return device_map
+
+
+__all__ = [
+    "clean_device_map",
+    "get_grad_scaler",
+    "get_max_layer_size",
+    "get_mixed_precision_context_manager",
+    "is_peft_model",
+]
