@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -209,6 +210,56 @@ def ignored_parameters(model: torch.nn.Module, ignored: Any) -> set[torch.nn.Par
 # -- sharding a model ----------------------------------------------------------------------------
 
 
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Not collective. The names of each parameter the model holds under several names (one
+    Parameter object: a language model's output layer tied to its input embedding, say), in
+    registration order: the first name is the one named_parameters() gives, its owner."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
+    """Not collective. Every name of each group of tied_groups holds its first name's parameter
+    again, then the model's own tie_weights() runs, where it has one. Moving a model to the
+    meta device and load_state_dict(assign=True) give each name an object of its own: an
+    untied copy trains apart from its twin, and no optimizer holds it (they are re-pointed by
+    name, which names the first only)."""
+    for first, *others in groups:
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, shared)
+    tie_weights = getattr(model, "tie_weights", None)
+    if groups and callable(tie_weights):
+        tie_weights()
+    for first, *others in groups:  # tie_weights may tie by its own rules: the groups still hold
+        shared = model.get_parameter(first)
+        if any(model.get_parameter(name) is not shared for name in others):
+            raise ConfigurationError(
+                f"{type(model).__name__}.tie_weights() untied {[first, *others]!r}, which share "
+                "one parameter before sharding",
+                "make tie_weights() tie the names that share a parameter when the model is "
+                "built, or tie none.",
+            )
+
+
+def split_ties(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], groups: list[list[str]]
+) -> list[torch.nn.Module]:
+    """Not collective. The blocks that hold either every name of each tied group or none. An
+    FSDP unit takes over the names inside it only: a twin outside would be sharded again, apart,
+    by the unit around it. A block holding part of a group is left to the unit around it."""
+    sizes = {id(model.get_parameter(group[0])): len(group) for group in groups}
+    kept = []
+    for block in blocks:
+        held = Counter(id(p) for _, p in block.named_parameters(remove_duplicate=False))
+        if all(held[key] in (0, size) for key, size in sizes.items()):
+            kept.append(block)
+    return kept
+
+
 def has_meta_tensors(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
@@ -259,7 +310,7 @@ def canonical_name(name: str) -> str:
 def attach_optimizers(model: torch.nn.Module, groups: list[list[Any]]) -> None:
     """Not collective. Put the sharded parameters where detach_optimizers left placeholders
     (param groups and their hyperparameters are kept)."""
-    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    params = {canonical_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
     for group in groups:
         for i, p in enumerate(group):
             if isinstance(p, _Pending):
@@ -331,13 +382,17 @@ def shard(
     `options`: fully_shard's mp_policy and offload_policy; `ignored`: the plugin's
     ignored_modules. Parameters start as rank 0's: broadcast before sharding, or, `from_rank0`
     (cpu_ram_efficient_loading), sent to a model sharded on the meta device (the other ranks'
-    may start there)."""
+    may start there). Parameters shared under several names (tied_groups) stay shared, each
+    one FSDP parameter; a block holding part of such a group is no unit of its own."""
     states: dict[str, torch.Tensor] = {}
+    groups = tied_groups(model)
     if from_rank0:
         states = _rank0_states(model, is_main)
         model.to(torch.device("meta"))  # new parameter objects: ignored ones are found after
+        retie(model, groups)
     else:
         _broadcast_states(model)
+    blocks = split_ties(model, blocks, groups)
     skipped = ignored_parameters(model, ignored)
     if skipped:
         options = {**options, "ignored_params": skipped}
@@ -351,6 +406,7 @@ def shard(
     if from_rank0:
         _load_from_rank0(model, states, device, is_main)
         states.clear()
+        retie(model, groups)
 
 
 # -- training with a sharded model ---------------------------------------------------------------

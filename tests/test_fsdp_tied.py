@@ -1,0 +1,131 @@
+"""FSDP2 with Hugging Face models (mpaccel/fsdp.py, mpaccel/sharding.py): tied weights (GPT-2's
+head and embedding, BERT's decoder weight and bias) stay tied through sharding with and without
+cpu_ram_efficient_loading.
+
+Tiny models built from local configs, dropout off; the reference is one process with the
+global batch, computed in the same test on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from mpaccel import Accelerator
+from mpaccel.testing import reset_state
+from mpaccel.utils import FullyShardedDataParallelPlugin
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("no_group_left_behind")
+
+VOCAB, LENGTH, GLOBAL_BATCH, STEPS = 64, 12, 8, 3  # batch divisible by 1, 2 and 4
+
+
+def _gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _bert() -> torch.nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=LENGTH, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+BUILD = {"gpt2": _gpt2, "bert": _bert}
+
+
+def _built(kind: str, meta: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if not meta:
+        return BUILD[kind]()
+    with torch.device("meta"):
+        return BUILD[kind]()
+
+
+def _batches(kind: str, count: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """`count` global batches: token ids, and labels (the ids for causal LM; for MLM, three
+    tokens of each row masked, the others labelled -100)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(2, VOCAB, (GLOBAL_BATCH, LENGTH), generator=g)
+        if kind == "gpt2":
+            out.append({"input_ids": ids, "labels": ids.clone()})
+            continue
+        # As many masked tokens in each row: the mean of the ranks' losses is the batch's.
+        order = torch.rand(ids.shape, generator=g).argsort(dim=1)
+        masked = torch.zeros_like(ids, dtype=torch.bool).scatter_(1, order[:, :3], True)
+        labels = torch.where(masked, ids, torch.full_like(ids, -100))
+        out.append({"input_ids": torch.where(masked, torch.ones_like(ids), ids), "labels": labels})
+    return out
+
+
+def _eval_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    model.eval()
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+    model.train()
+    return loss
+
+
+def _reference(kind: str) -> float:
+    model = _built(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for batch in _batches(kind, STEPS, seed=1):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return _eval_loss(model, _batches(kind, 1, seed=2)[0])
+
+
+def _fresh(**fields) -> Accelerator:
+    reset_state()
+    return Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(**fields))
+
+
+def _tied_names(model: torch.nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return sorted(group for group in names.values() if len(group) > 1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields"),
+    [
+        ("gpt2", {"cpu_ram_efficient_loading": True}),
+        ("bert", {"cpu_ram_efficient_loading": True}),
+        # BertEmbeddings would be a unit of its own, holding one name of the decoder's weight.
+        ("bert", {"auto_wrap_policy": "transformer_based_wrap"}),
+        ("bert", {"cpu_ram_efficient_loading": True,
+                  "auto_wrap_policy": "transformer_based_wrap"}),
+    ],
+)  # fmt: skip
+def test_tied_weights_train_as_one_process(comm, kind, fields):
+    acc = _fresh(**fields)
+    n, rank = acc.num_processes, acc.process_index
+    before = _tied_names(_built(kind))
+    model = _built(kind, meta=bool(fields.get("cpu_ram_efficient_loading")) and rank > 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    assert _tied_names(model) == before  # the sharing is back, one DTensor per group
+    assert all(isinstance(model.get_parameter(g[0]), DTensor) for g in before)
+    held = [id(p) for group in opt.param_groups for p in group["params"]]
+    assert sorted(held) == sorted(id(p) for p in model.parameters())  # each shared one once
+    share = GLOBAL_BATCH // n
+    for batch in _batches(kind, STEPS, seed=1):
+        mine = {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
+        acc.backward(model(**mine).loss)
+        opt.step()
+        opt.zero_grad()
+    assert _tied_names(model) == before
+    loss = _eval_loss(model, _batches(kind, 1, seed=2)[0])
+    assert loss == pytest.approx(_reference(kind), rel=1e-5)
