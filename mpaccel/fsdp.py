@@ -409,6 +409,33 @@ def shard(
         retie(model, groups)
 
 
+def forward_methods(model: torch.nn.Module, extra: list[str]) -> list[str]:
+    """Not collective. The methods of `model` that FSDP must treat as forward passes (gather
+    the parameters before, free them after): `generate` where the model has one (it calls
+    submodules, an encoder say, without going through the root's forward, which gathers the
+    root unit's parameters: a shared embedding), and the plugin's `forward_methods`. A name
+    the model lacks is a ConfigurationError."""
+    missing = [name for name in extra if not callable(getattr(model, name, None))]
+    if missing:
+        raise ConfigurationError(
+            f"FullyShardedDataParallelPlugin(forward_methods=...): {type(model).__name__} has "
+            f"no method {missing!r}",
+            "name methods of the model passed to prepare() (the plugin applies to every model "
+            "prepared with it).",
+        )
+    found = ["generate"] if callable(getattr(model, "generate", None)) else []
+    return found + [name for name in extra if name not in found]
+
+
+def register_forward_methods(model: torch.nn.Module, names: list[str]) -> None:
+    """Not collective. Each method of `names` gathers the root unit's parameters as forward
+    does (torch's register_fsdp_forward_method; `model` is sharded)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    for name in names:
+        register_fsdp_forward_method(model, name)
+
+
 # -- training with a sharded model ---------------------------------------------------------------
 
 

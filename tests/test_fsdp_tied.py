@@ -1,6 +1,6 @@
 """FSDP2 with Hugging Face models (mpaccel/fsdp.py, mpaccel/sharding.py): tied weights (GPT-2's
 head and embedding, BERT's decoder weight and bias) stay tied through sharding with and without
-cpu_ram_efficient_loading.
+cpu_ram_efficient_loading, and generate() runs sharded.
 
 Tiny models built from local configs, dropout off; the reference is one process with the
 global batch, computed in the same test on every rank."""
@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mpaccel import Accelerator
+from mpaccel.errors import CollectiveError, ConfigurationError
 from mpaccel.testing import reset_state
 from mpaccel.utils import FullyShardedDataParallelPlugin
 
@@ -129,3 +130,51 @@ def test_tied_weights_train_as_one_process(comm, kind, fields):
     assert _tied_names(model) == before
     loss = _eval_loss(model, _batches(kind, 1, seed=2)[0])
     assert loss == pytest.approx(_reference(kind), rel=1e-5)
+
+
+def test_generate_runs_sharded_and_gives_one_process_tokens(comm):
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.T5ForConditionalGeneration(config).eval()
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    acc = _fresh(auto_wrap_policy="transformer_based_wrap")
+    model = acc.prepare(model)
+    ids = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(3))
+    options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    with torch.no_grad():
+        tokens = acc.unwrap_model(model).generate(ids, **options)
+        expected = reference.generate(ids, **options)
+    assert torch.equal(tokens, expected)
+
+
+class _Scorer(torch.nn.Module):
+    """A root unit whose `score` uses the root's own parameters without calling forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+    def score(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).sum()
+
+
+def test_plugin_forward_methods_gather_like_forward(comm):
+    ids = torch.tensor([1, 2, 3])
+    acc = _fresh(forward_methods=["score"])
+    model = acc.prepare(_Scorer())
+    torch.testing.assert_close(model.score(ids), _Scorer().score(ids))
+    assert FullyShardedDataParallelPlugin(forward_methods="score").forward_methods == ["score"]
+    for bad in (3, ["not a name"]):
+        with pytest.raises(ConfigurationError, match="forward_methods"):
+            FullyShardedDataParallelPlugin(forward_methods=bad)
+    acc = _fresh(forward_methods=["rank"])
+    with pytest.raises(CollectiveError, match=r"no method \['rank'\]"):
+        acc.prepare(_Scorer())
