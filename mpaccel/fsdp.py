@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed
 from .comm import Comm
-from .errors import ConfigurationError, MpaccelWarning
+from .errors import ConfigurationError, MpaccelWarning, with_hint
 
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
@@ -557,6 +558,33 @@ class OptimizerState:
                 group["lr"] = lr
             for p, grad in zip(params, grads):
                 p.grad = grad
+
+
+# Sharded models already told how to save_pretrained (once each).
+_told_save_pretrained: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def hint_save_pretrained(model: Any, is_main: bool) -> None:
+    """Not collective. Warns once per model, on the main process, when `model` is sharded and
+    has transformers' save_pretrained: that reads model.state_dict(), whose DTensor shards
+    safetensors cannot write (the save fails and writes no weights). It cannot be made to work
+    unseen: a state_dict() of whole tensors would change what torch's and mpaccel's
+    checkpoints read, and transformers' own switch (config.distributed_config) also changes
+    how its Trainer treats the model."""
+    if not is_main or fsdp_module(model) is None or model in _told_save_pretrained:
+        return
+    if not callable(getattr(model, "save_pretrained", None)):
+        return
+    _told_save_pretrained.add(model)
+    warn(with_hint(
+        f"unwrap_model() of a fully sharded {type(model).__name__} is the sharded model: its "
+        "save_pretrained(output_dir) reads state_dict(), which holds DTensor shards, and "
+        "fails without writing the weights",
+        "pass the whole tensors: unwrap_model(model).save_pretrained(output_dir, "
+        "is_main_process=accelerator.is_main_process, save_function=accelerator.save, "
+        "state_dict=accelerator.get_state_dict(model)) (every rank calls get_state_dict).",
+        separator=" ",
+    ), stacklevel=4)  # fmt: skip
 
 
 class StateHolder(torch.nn.Module):

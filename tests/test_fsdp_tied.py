@@ -1,18 +1,20 @@
 """FSDP2 with Hugging Face models (mpaccel/fsdp.py, mpaccel/sharding.py): tied weights (GPT-2's
 head and embedding, BERT's decoder weight and bias) stay tied through sharding with and without
-cpu_ram_efficient_loading, and generate() runs sharded.
+cpu_ram_efficient_loading, generate() runs sharded, and unwrap_model() says how to save.
 
 Tiny models built from local configs, dropout off; the reference is one process with the
 global batch, computed in the same test on every rank."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 from mpaccel import Accelerator
-from mpaccel.errors import CollectiveError, ConfigurationError
+from mpaccel.errors import CollectiveError, ConfigurationError, MpaccelWarning
 from mpaccel.testing import reset_state
 from mpaccel.utils import FullyShardedDataParallelPlugin
 
@@ -178,3 +180,27 @@ def test_plugin_forward_methods_gather_like_forward(comm):
     acc = _fresh(forward_methods=["rank"])
     with pytest.raises(CollectiveError, match=r"no method \['rank'\]"):
         acc.prepare(_Scorer())
+
+
+def test_unwrap_model_warns_once_how_to_save_pretrained(comm, mpi_tmp_path):
+    acc = _fresh(cpu_ram_efficient_loading=True)
+    model = acc.prepare(_built("gpt2"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.get_state_dict(model)  # mpaccel's own unwrap_model calls say nothing
+        unwrapped = acc.unwrap_model(model)
+        assert acc.unwrap_model(model) is unwrapped is model
+    told = [str(w.message) for w in caught if issubclass(w.category, MpaccelWarning)]
+    assert len(told) == (1 if acc.is_main_process else 0)  # once, from the main process
+    assert all("state_dict=accelerator.get_state_dict(model)" in m for m in told)
+    assert all(w.filename == __file__ for w in caught if issubclass(w.category, MpaccelWarning))
+    unwrapped.save_pretrained(
+        mpi_tmp_path, is_main_process=acc.is_main_process, save_function=acc.save,
+        state_dict=acc.get_state_dict(model),
+    )  # fmt: skip
+    acc.wait_for_everyone()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(mpi_tmp_path)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    full = acc.get_state_dict(model, all_ranks=True)
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, full[key], msg=key)
