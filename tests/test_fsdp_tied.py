@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import safetensors.torch
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -22,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("no_group_left_behind")
 
-VOCAB, LENGTH, GLOBAL_BATCH, STEPS = 64, 12, 8, 3  # batch divisible by 1, 2 and 4
+VOCAB, LENGTH, GLOBAL_BATCH, STEPS = 64, 12, 12, 3  # batch divisible by 1, 2, 3 and 4
 
 
 def _gpt2() -> torch.nn.Module:
@@ -105,7 +106,6 @@ def _tied_names(model: torch.nn.Module) -> list[list[str]]:
     ("kind", "fields"),
     [
         ("gpt2", {"cpu_ram_efficient_loading": True}),
-        ("bert", {"cpu_ram_efficient_loading": True}),
         # BertEmbeddings would be a unit of its own, holding one name of the decoder's weight.
         ("bert", {"auto_wrap_policy": "transformer_based_wrap"}),
         ("bert", {"cpu_ram_efficient_loading": True,
@@ -132,6 +132,33 @@ def test_tied_weights_train_as_one_process(comm, kind, fields):
     assert _tied_names(model) == before
     loss = _eval_loss(model, _batches(kind, 1, seed=2)[0])
     assert loss == pytest.approx(_reference(kind), rel=1e-5)
+
+
+def test_tied_weights_survive_save_state_load_state_and_save_model(comm, mpi_tmp_path):
+    def prepared(seed: int) -> tuple[Accelerator, torch.nn.Module, torch.optim.Optimizer]:
+        acc = _fresh(cpu_ram_efficient_loading=True)
+        torch.manual_seed(seed)
+        model = _gpt2() if acc.is_main_process else _built("gpt2", meta=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return acc, *acc.prepare(model, opt)
+
+    acc, model, opt = prepared(seed=0)
+    acc.backward(model(**_batches("gpt2", 1, seed=1)[0]).loss)
+    opt.step()
+    acc.save_state(mpi_tmp_path / "state")
+    acc.save_model(model, mpi_tmp_path / "model")
+    saved = acc.get_state_dict(model, all_ranks=True)
+    acc, model, opt = prepared(seed=7)  # other weights: the load must replace them
+    acc.load_state(mpi_tmp_path / "state")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    held = [id(p) for group in opt.param_groups for p in group["params"]]
+    assert sorted(held) == sorted(id(p) for p in model.parameters())
+    loaded = acc.get_state_dict(model, all_ranks=True)
+    written = _built("gpt2")
+    written.load_state_dict(safetensors.torch.load_file(mpi_tmp_path / "model/model.safetensors"))
+    for key, value in saved.items():
+        torch.testing.assert_close(loaded[key], value, msg=key)
+        torch.testing.assert_close(written.state_dict()[key], value, msg=key)
 
 
 def test_generate_runs_sharded_and_gives_one_process_tokens(comm):
