@@ -125,7 +125,9 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     FULL_STATE_DICT. activation_checkpointing: recompute each wrapped block's activations in
     backward (activation_checkpointing_offload=True, which also moves them to host memory, is
     refused). cpu_ram_efficient_loading: rank 0 alone holds real weights, the other ranks'
-    model may be on the meta device; prepare() sends each rank its shard.
+    model may be on the meta device; prepare() sends each rank its shard. forward_methods
+    (mpaccel's): names of model methods that FSDP treats as forward passes, gathering the
+    parameters before them, besides `generate`, registered wherever the model has one.
     Fields set to None take Accelerate's FSDP_* variables. FSDP1's fields are accepted and
     have no effect (a warning says so); forward_prefetch is refused.
     """
@@ -151,6 +153,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     cpu_ram_efficient_loading: bool | None = None
     transformer_cls_names_to_wrap: list[str] | None = None
     min_num_params: int | None = None
+    forward_methods: list[str] | None = None
 
     def __post_init__(self) -> None:
         version = self.fsdp_version if self.fsdp_version is not None else _env.get_int(
@@ -191,12 +194,26 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
             "cpu_ram_efficient_loading", "fsdp_cpu_ram_efficient_loading"
         )
         self.mixed_precision_policy = _policy(self.mixed_precision_policy)
+        self.forward_methods = self._forward_methods()
         if self.ignored_modules is None:
             self.ignored_modules = _env.get("fsdp_ignored_modules")
         if self.ignored_modules is not None and not isinstance(self.ignored_modules, str):
             self.ignored_modules = list(self.ignored_modules)
 
     # -- normalisation, field by field ---------------------------------------------------------
+
+    def _forward_methods(self) -> list[str]:
+        value = self.forward_methods
+        names = [value] if isinstance(value, str) else value or []
+        if not isinstance(names, (list, tuple)) or not all(
+            isinstance(name, str) and name.isidentifier() for name in names
+        ):
+            raise ConfigurationError(
+                f"FullyShardedDataParallelPlugin(forward_methods={value!r}) must be method names",
+                "pass a list of the names of the model's methods that run it as forward does, "
+                "e.g. forward_methods=['score'] ('generate' is registered by itself).",
+            )
+        return list(names)
 
     def _drop_fsdp1_fields(self) -> None:
         if self.forward_prefetch:

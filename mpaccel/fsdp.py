@@ -11,6 +11,8 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -22,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed
 from .comm import Comm
-from .errors import ConfigurationError, MpaccelWarning
+from .errors import ConfigurationError, MpaccelWarning, with_hint
 
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
@@ -209,6 +211,56 @@ def ignored_parameters(model: torch.nn.Module, ignored: Any) -> set[torch.nn.Par
 # -- sharding a model ----------------------------------------------------------------------------
 
 
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Not collective. The names of each parameter the model holds under several names (one
+    Parameter object: a language model's output layer tied to its input embedding, say), in
+    registration order: the first name is the one named_parameters() gives, its owner."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
+    """Not collective. Every name of each group of tied_groups holds its first name's parameter
+    again, then the model's own tie_weights() runs, where it has one. Moving a model to the
+    meta device and load_state_dict(assign=True) give each name an object of its own: an
+    untied copy trains apart from its twin, and no optimizer holds it (they are re-pointed by
+    name, which names the first only)."""
+    for first, *others in groups:
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, shared)
+    tie_weights = getattr(model, "tie_weights", None)
+    if groups and callable(tie_weights):
+        tie_weights()
+    for first, *others in groups:  # tie_weights may tie by its own rules: the groups still hold
+        shared = model.get_parameter(first)
+        if any(model.get_parameter(name) is not shared for name in others):
+            raise ConfigurationError(
+                f"{type(model).__name__}.tie_weights() untied {[first, *others]!r}, which share "
+                "one parameter before sharding",
+                "make tie_weights() tie the names that share a parameter when the model is "
+                "built, or tie none.",
+            )
+
+
+def split_ties(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], groups: list[list[str]]
+) -> list[torch.nn.Module]:
+    """Not collective. The blocks that hold either every name of each tied group or none. An
+    FSDP unit takes over the names inside it only: a twin outside would be sharded again, apart,
+    by the unit around it. A block holding part of a group is left to the unit around it."""
+    sizes = {id(model.get_parameter(group[0])): len(group) for group in groups}
+    kept = []
+    for block in blocks:
+        held = Counter(id(p) for _, p in block.named_parameters(remove_duplicate=False))
+        if all(held[key] in (0, size) for key, size in sizes.items()):
+            kept.append(block)
+    return kept
+
+
 def has_meta_tensors(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
@@ -259,7 +311,7 @@ def canonical_name(name: str) -> str:
 def attach_optimizers(model: torch.nn.Module, groups: list[list[Any]]) -> None:
     """Not collective. Put the sharded parameters where detach_optimizers left placeholders
     (param groups and their hyperparameters are kept)."""
-    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    params = {canonical_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
     for group in groups:
         for i, p in enumerate(group):
             if isinstance(p, _Pending):
@@ -331,13 +383,17 @@ def shard(
     `options`: fully_shard's mp_policy and offload_policy; `ignored`: the plugin's
     ignored_modules. Parameters start as rank 0's: broadcast before sharding, or, `from_rank0`
     (cpu_ram_efficient_loading), sent to a model sharded on the meta device (the other ranks'
-    may start there)."""
+    may start there). Parameters shared under several names (tied_groups) stay shared, each
+    one FSDP parameter; a block holding part of such a group is no unit of its own."""
     states: dict[str, torch.Tensor] = {}
+    groups = tied_groups(model)
     if from_rank0:
         states = _rank0_states(model, is_main)
         model.to(torch.device("meta"))  # new parameter objects: ignored ones are found after
+        retie(model, groups)
     else:
         _broadcast_states(model)
+    blocks = split_ties(model, blocks, groups)
     skipped = ignored_parameters(model, ignored)
     if skipped:
         options = {**options, "ignored_params": skipped}
@@ -351,6 +407,34 @@ def shard(
     if from_rank0:
         _load_from_rank0(model, states, device, is_main)
         states.clear()
+        retie(model, groups)
+
+
+def forward_methods(model: torch.nn.Module, extra: list[str]) -> list[str]:
+    """Not collective. The methods of `model` that FSDP must treat as forward passes (gather
+    the parameters before, free them after): `generate` where the model has one (it calls
+    submodules, an encoder say, without going through the root's forward, which gathers the
+    root unit's parameters: a shared embedding), and the plugin's `forward_methods`. A name
+    the model lacks is a ConfigurationError."""
+    missing = [name for name in extra if not callable(getattr(model, name, None))]
+    if missing:
+        raise ConfigurationError(
+            f"FullyShardedDataParallelPlugin(forward_methods=...): {type(model).__name__} has "
+            f"no method {missing!r}",
+            "name methods of the model passed to prepare() (the plugin applies to every model "
+            "prepared with it).",
+        )
+    found = ["generate"] if callable(getattr(model, "generate", None)) else []
+    return found + [name for name in extra if name not in found]
+
+
+def register_forward_methods(model: torch.nn.Module, names: list[str]) -> None:
+    """Not collective. Each method of `names` gathers the root unit's parameters as forward
+    does (torch's register_fsdp_forward_method; `model` is sharded)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    for name in names:
+        register_fsdp_forward_method(model, name)
 
 
 # -- training with a sharded model ---------------------------------------------------------------
@@ -474,6 +558,33 @@ class OptimizerState:
                 group["lr"] = lr
             for p, grad in zip(params, grads):
                 p.grad = grad
+
+
+# Sharded models already told how to save_pretrained (once each).
+_told_save_pretrained: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def hint_save_pretrained(model: Any, is_main: bool) -> None:
+    """Not collective. Warns once per model, on the main process, when `model` is sharded and
+    has transformers' save_pretrained: that reads model.state_dict(), whose DTensor shards
+    safetensors cannot write (the save fails and writes no weights). It cannot be made to work
+    unseen: a state_dict() of whole tensors would change what torch's and mpaccel's
+    checkpoints read, and transformers' own switch (config.distributed_config) also changes
+    how its Trainer treats the model."""
+    if not is_main or fsdp_module(model) is None or model in _told_save_pretrained:
+        return
+    if not callable(getattr(model, "save_pretrained", None)):
+        return
+    _told_save_pretrained.add(model)
+    warn(with_hint(
+        f"unwrap_model() of a fully sharded {type(model).__name__} is the sharded model: its "
+        "save_pretrained(output_dir) reads state_dict(), which holds DTensor shards, and "
+        "fails without writing the weights",
+        "pass the whole tensors: unwrap_model(model).save_pretrained(output_dir, "
+        "is_main_process=accelerator.is_main_process, save_function=accelerator.save, "
+        "state_dict=accelerator.get_state_dict(model)) (every rank calls get_state_dict).",
+        separator=" ",
+    ), stacklevel=4)  # fmt: skip
 
 
 class StateHolder(torch.nn.Module):

@@ -109,14 +109,18 @@ def shard_model(
 ) -> torch.nn.Module:
     """Collective: every rank calls this with its copy of the same model. Applies fully_shard
     per the plugin's wrap policy (blocks first, then the root) over `mesh`, in place, starting
-    from rank 0's weights; returns the model (the same object, now an FSDP module). A model
+    from rank 0's weights; returns the model (the same object, now an FSDP module), whose
+    `generate` (where it has one) and the plugin's forward_methods gather the parameters as
+    forward does. Tied parameters stay tied (fsdp.retie). A model
     whose ranks disagree (structure, meta device) is one CollectiveError on every rank."""
     from . import fsdp
 
     blocks: list[torch.nn.Module] = []
+    methods: list[str] = []
     note = ""
     with agreement(comm, "preparing a model for FSDP", passing=(CollectiveError,)):
         _check_model(model, plugin, comm.rank)
+        methods = fsdp.forward_methods(model, plugin.forward_methods or [])
         blocks, note = fsdp.blocks_to_wrap(model, plugin)
         if plugin.ignored_modules is not None:
             fsdp.ignored_parameters(model, plugin.ignored_modules)  # a bad regex fails here
@@ -143,6 +147,7 @@ def shard_model(
         model, blocks, mesh, options, plugin.reshard_after_forward, plugin.ignored_modules,
         from_rank0=bool(plugin.cpu_ram_efficient_loading), is_main=comm.rank == 0, device=device,
     )  # fmt: skip
+    fsdp.register_forward_methods(model, methods)
     return model
 
 
