@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpoint, distributed, preemption
 from .checkpoint import accelerate_layout, solo
 from .checkpoint.directories import agree_directory
-from .checkpoint.safetensors_out import save_safetensors
+from .checkpoint.safetensors_out import save_safetensors, warn_untied
 from .checkpoint.safetensors_rows import save_rows
 from .checkpoint.training_state import model_state
 from .comm import NullComm, agreement
@@ -133,8 +133,13 @@ class CheckpointMethods:
             if self.state.fsdp_plugin is not None:
                 from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
 
-                if fsdp.fsdp_module(self.unwrap_model(model)) is not None:
+                unwrapped = self.unwrap_model(model)
+                if fsdp.fsdp_module(unwrapped) is not None:
                     write = save_rows
+                    aliases = fsdp.tied_aliases(unwrapped)  # stored once, as unsharded
+                    if aliases & state.keys():
+                        warn_untied(sorted(aliases & state.keys()), stacklevel=2)
+                        state = {k: v for k, v in state.items() if k not in aliases}
             write(comm, state, os.fspath(save_directory), max_shard_size)
         else:
             checkpoint.save_model(comm, self.unwrap_model(model), save_directory, max_shard_size)

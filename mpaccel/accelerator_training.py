@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -486,18 +485,9 @@ class TrainingMethods:
     ) -> Any:
         """The user's model without DDP (and, with keep_fp32_wrapper=False, without autocast).
         A compiled model comes back compiled (around the unwrapped module) unless
-        keep_torch_compile=False. Under FSDP, the sharded model itself; called from outside
-        mpaccel on a transformers model, it warns once (main process) that save_pretrained
-        needs `state_dict=accelerator.get_state_dict(model)`."""
-        unwrapped = training.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
-        if self.state.fsdp_plugin is not None and not _called_from_mpaccel():
-            from . import fsdp
-
-            fsdp.hint_save_pretrained(
-                training.unwrap_model(unwrapped, keep_torch_compile=False),
-                self._partial.is_main_process,
-            )
-        return unwrapped
+        keep_torch_compile=False. Under FSDP, the sharded model itself (whose transformers
+        `save_pretrained`, called on every rank, writes whole tensors)."""
+        return training.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(
         self: _Host, model: torch.nn.Module, unwrap: bool = True, *, all_ranks: bool = False
@@ -515,11 +505,6 @@ class TrainingMethods:
             if fsdp.fsdp_module(model) is not None:
                 return fsdp.full_state_dict(model, everywhere=all_ranks)
         return model.state_dict()
-
-
-def _called_from_mpaccel() -> bool:
-    """The caller of the caller is mpaccel's own code (its checkpoints unwrap models too)."""
-    return str(sys._getframe(2).f_globals.get("__name__", "")).startswith("mpaccel.")
 
 
 def _is_optimizer(obj: Any) -> bool:

@@ -9,9 +9,10 @@ say which ranks call them; the collective ones must be called by every rank in t
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import types
 import warnings
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed
 from .comm import Comm
-from .errors import ConfigurationError, MpaccelWarning, with_hint
+from .errors import ConfigurationError, MpaccelWarning
 
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
@@ -501,18 +502,30 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
 def full_state_dict(model: torch.nn.Module, everywhere: bool) -> dict[str, Any]:
     """Collective. The model's state dict with whole tensors (on the CPU). `everywhere`: on
     every rank, with rank 0's values for what is not sharded (buffers, which FSDP leaves to
-    each rank); else, as Accelerate's get_state_dict, on rank 0 only (the others get {})."""
+    each rank); else, as Accelerate's get_state_dict, on rank 0 only (the others get {}).
+    The names of a tied parameter (tied_groups) hold one tensor, as in an unsharded model's
+    state dict, so that save_pretrained and safetensors store it once."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
     state = get_model_state_dict(model, options=options)
-    if not everywhere:
-        return state
-    sharded = {k for k, v in model.state_dict().items() if isinstance(v, DTensor)}
-    for key, value in state.items():
-        if key not in sharded and isinstance(value, torch.Tensor):
-            distributed.broadcast(value, 0)
-    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    if everywhere:
+        sharded = {k for k, v in model.state_dict().items() if isinstance(v, DTensor)}
+        for key, value in state.items():
+            if key not in sharded and isinstance(value, torch.Tensor):
+                distributed.broadcast(value, 0)
+        state = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    for first, *others in tied_groups(model):
+        for name in others:
+            if first in state and name in state:
+                state[name] = state[first]
+    return state
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Not collective. The second and later names of each tied parameter (tied_groups): the
+    names a safetensors file leaves out, as for an unsharded model whose names share memory."""
+    return {name for _, *others in tied_groups(model) for name in others}
 
 
 class OptimizerState:
@@ -560,31 +573,48 @@ class OptimizerState:
                 p.grad = grad
 
 
-# Sharded models already told how to save_pretrained (once each).
-_told_save_pretrained: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+class WholeSavePretrained:
+    """A sharded model's `save_pretrained` (transformers'), as a method of that model: writes
+    whole tensors. transformers' own reads model.state_dict(), whose DTensor shards safetensors
+    cannot write (the save fails and writes no weights), unless it is handed a state_dict. This
+    one hands it the gathered one (on rank 0, the rank transformers writes from) when the
+    caller passes none: the unchanged `accelerator.unwrap_model(model).save_pretrained(dir,
+    is_main_process=..., save_function=accelerator.save)` of transformers' no_trainer scripts
+    writes the full model. Set on the instance only (install()), so nothing else changes:
+    state_dict() still gives the shards that torch's and mpaccel's checkpoints read, and a
+    caller that passes a state_dict (Trainer) reaches transformers' method untouched."""
 
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
 
-def hint_save_pretrained(model: Any, is_main: bool) -> None:
-    """Not collective. Warns once per model, on the main process, when `model` is sharded and
-    has transformers' save_pretrained: that reads model.state_dict(), whose DTensor shards
-    safetensors cannot write (the save fails and writes no weights). It cannot be made to work
-    unseen: a state_dict() of whole tensors would change what torch's and mpaccel's
-    checkpoints read, and transformers' own switch (config.distributed_config) also changes
-    how its Trainer treats the model."""
-    if not is_main or fsdp_module(model) is None or model in _told_save_pretrained:
-        return
-    if not callable(getattr(model, "save_pretrained", None)):
-        return
-    _told_save_pretrained.add(model)
-    warn(with_hint(
-        f"unwrap_model() of a fully sharded {type(model).__name__} is the sharded model: its "
-        "save_pretrained(output_dir) reads state_dict(), which holds DTensor shards, and "
-        "fails without writing the weights",
-        "pass the whole tensors: unwrap_model(model).save_pretrained(output_dir, "
-        "is_main_process=accelerator.is_main_process, save_function=accelerator.save, "
-        "state_dict=accelerator.get_state_dict(model)) (every rank calls get_state_dict).",
-        separator=" ",
-    ), stacklevel=4)  # fmt: skip
+    @classmethod
+    def install(cls, model: torch.nn.Module, comm: Comm) -> None:
+        """Not collective. Give `model` (sharded) this save_pretrained, if its class has one."""
+        if callable(getattr(type(model), "save_pretrained", None)):
+            vars(model)["save_pretrained"] = types.MethodType(cls(comm), model)
+
+    def __call__(self, model: Any, save_directory: Any, *given: Any, **kwargs: Any) -> Any:
+        """Collective when no state_dict is passed: every rank calls it (the gather)."""
+        args = list(given)  # transformers' order: is_main_process, state_dict, ...
+        if (args[1] if len(args) > 1 else kwargs.get("state_dict")) is None:
+            from .checkpoint import solo
+
+            who = solo.who_saves(self.comm, "save_pretrained", save_directory)
+            if who != solo.COLLECTIVE:
+                raise ConfigurationError(
+                    f"save_pretrained({os.fspath(save_directory)!r}) of a fully sharded "
+                    f"{type(model).__name__} was called by one rank alone: the whole tensors are "
+                    "gathered from every rank's shards",
+                    "call it on every rank (is_main_process=accelerator.is_main_process decides "
+                    "who writes), or pass state_dict=accelerator.get_state_dict(model), which "
+                    "every rank computes, to the main process's call.",
+                )
+            whole = full_state_dict(model, everywhere=False)  # {} but on rank 0, the writer
+            if len(args) > 1:
+                args[1] = whole
+            else:
+                kwargs["state_dict"] = whole
+        return type(model).save_pretrained(model, save_directory, *args, **kwargs)
 
 
 class StateHolder(torch.nn.Module):

@@ -111,7 +111,8 @@ def shard_model(
     per the plugin's wrap policy (blocks first, then the root) over `mesh`, in place, starting
     from rank 0's weights; returns the model (the same object, now an FSDP module), whose
     `generate` (where it has one) and the plugin's forward_methods gather the parameters as
-    forward does. Tied parameters stay tied (fsdp.retie). A model
+    forward does, and whose transformers `save_pretrained` writes whole tensors
+    (fsdp.WholeSavePretrained). Tied parameters stay tied (fsdp.retie). A model
     whose ranks disagree (structure, meta device) is one CollectiveError on every rank."""
     from . import fsdp
 
@@ -148,6 +149,7 @@ def shard_model(
         from_rank0=bool(plugin.cpu_ram_efficient_loading), is_main=comm.rank == 0, device=device,
     )  # fmt: skip
     fsdp.register_forward_methods(model, methods)
+    fsdp.WholeSavePretrained.install(model, comm)
     return model
 
 

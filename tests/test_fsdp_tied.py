@@ -7,15 +7,13 @@ global batch, computed in the same test on every rank."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import safetensors.torch
 import torch
 from torch.distributed.tensor import DTensor
 
 from mpaccel import Accelerator
-from mpaccel.errors import CollectiveError, ConfigurationError, MpaccelWarning
+from mpaccel.errors import CollectiveError, ConfigurationError
 from mpaccel.testing import reset_state
 from mpaccel.utils import FullyShardedDataParallelPlugin
 
@@ -154,8 +152,12 @@ def test_tied_weights_survive_save_state_load_state_and_save_model(comm, mpi_tmp
     held = [id(p) for group in opt.param_groups for p in group["params"]]
     assert sorted(held) == sorted(id(p) for p in model.parameters())
     loaded = acc.get_state_dict(model, all_ranks=True)
+    # the names of one parameter hold one tensor, as unsharded; the file keeps the first only
+    assert saved["lm_head.weight"] is saved["transformer.wte.weight"]
     written = _built("gpt2")
-    written.load_state_dict(safetensors.torch.load_file(mpi_tmp_path / "model/model.safetensors"))
+    stored = safetensors.torch.load_file(mpi_tmp_path / "model/model.safetensors")
+    assert "lm_head.weight" not in stored
+    assert written.load_state_dict(stored, strict=False).missing_keys == ["lm_head.weight"]
     for key, value in saved.items():
         torch.testing.assert_close(loaded[key], value, msg=key)
         torch.testing.assert_close(written.state_dict()[key], value, msg=key)
@@ -209,25 +211,32 @@ def test_plugin_forward_methods_gather_like_forward(comm):
         acc.prepare(_Scorer())
 
 
-def test_unwrap_model_warns_once_how_to_save_pretrained(comm, mpi_tmp_path):
+def test_the_scripts_unchanged_save_pretrained_writes_the_whole_model(comm, mpi_tmp_path):
+    """transformers' no_trainer scripts end with unwrap_model(model).save_pretrained(dir,
+    is_main_process=..., save_function=accelerator.save) on every rank: under FSDP it writes
+    the whole model, tied, equal to the trained state; state_dict() still gives the shards."""
     acc = _fresh(cpu_ram_efficient_loading=True)
     model = acc.prepare(_built("gpt2"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        acc.get_state_dict(model)  # mpaccel's own unwrap_model calls say nothing
-        unwrapped = acc.unwrap_model(model)
-        assert acc.unwrap_model(model) is unwrapped is model
-    told = [str(w.message) for w in caught if issubclass(w.category, MpaccelWarning)]
-    assert len(told) == (1 if acc.is_main_process else 0)  # once, from the main process
-    assert all("state_dict=accelerator.get_state_dict(model)" in m for m in told)
-    assert all(w.filename == __file__ for w in caught if issubclass(w.category, MpaccelWarning))
+    unwrapped = acc.unwrap_model(model)
+    assert unwrapped is model
     unwrapped.save_pretrained(
-        mpi_tmp_path, is_main_process=acc.is_main_process, save_function=acc.save,
-        state_dict=acc.get_state_dict(model),
+        mpi_tmp_path, is_main_process=acc.is_main_process, save_function=acc.save
     )  # fmt: skip
     acc.wait_for_everyone()
+    assert any(isinstance(v, DTensor) for v in model.state_dict().values())
     loaded = transformers.GPT2LMHeadModel.from_pretrained(mpi_tmp_path)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     full = acc.get_state_dict(model, all_ranks=True)
     for key, value in loaded.state_dict().items():
         torch.testing.assert_close(value, full[key], msg=key)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_save_pretrained_by_one_rank_alone_says_how(comm, mpi_tmp_path, monkeypatch):
+    monkeypatch.setenv("MPACCEL_SOLO_SAVE_WAIT", "1")
+    acc = _fresh()
+    model = acc.prepare(_built("gpt2"))
+    if acc.is_main_process:
+        with pytest.raises(ConfigurationError, match=r"one rank alone(.|\n)*get_state_dict"):
+            model.save_pretrained(mpi_tmp_path / "alone")
+    acc.wait_for_everyone()

@@ -62,14 +62,20 @@ def untie(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         first[key] = name
         kept[name] = tensor.detach().contiguous()
     if dropped:
-        warnings.warn(
-            f"save_model: {sorted(dropped)} share memory with other keys (tied weights) and are "
-            "stored once, under the first name, as Accelerate does; a model that ties them "
-            "again on load gets them back",
-            MpaccelRuntimeWarning,
-            stacklevel=4,
-        )
+        warn_untied(dropped, stacklevel=4)
     return kept
+
+
+def warn_untied(dropped: list[str], stacklevel: int) -> None:
+    """Say that `dropped`, names of tensors shared with other keys, are stored once
+    (`stacklevel` as warnings.warn's, counted from the caller of this function)."""
+    warnings.warn(
+        f"save_model: {sorted(dropped)} share memory with other keys (tied weights) and are "
+        "stored once, under the first name, as Accelerate does; a model that ties them "
+        "again on load gets them back",
+        MpaccelRuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def split(state: Mapping[str, torch.Tensor], max_shard_size: int | str) -> list[list[str]]:
