@@ -316,6 +316,69 @@ def _prepared(name):
     return acc, model, opt, sched, loss
 
 
+def _tied_groups(module):
+    """Names of the parameters that are one tensor, as the model ties them."""
+    groups: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return sorted(names for names in groups.values() if len(names) > 1)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_an_accelerate_save_of_a_tied_model_loads_and_continues(
+    accelerate_saves, mpi_tmp_path, comm, name
+):
+    """Accelerate's saver drops tied aliases (GPT-2's lm_head.weight, BERT's decoder weight
+    and bias); the model ties them itself, so they are not missing: the load takes every
+    tensor, the optimizer, scheduler, step and RNG states, and training goes on as it went on
+    under Accelerate."""
+    path = _copied(accelerate_saves, name, mpi_tmp_path, comm)
+    saved = safetensors_torch.load_file(path / "model.safetensors")
+    acc, model, opt, sched, loss_at = _prepared(name)
+    inner = acc.unwrap_model(model)
+    tied = _tied_groups(inner)
+    assert tied and all(sum(n in saved for n in names) == 1 for names in tied), (tied, list(saved))
+    acc.load_state(path, allow_pickle=True)
+    expected = torch.load(str(path) + ".expected")
+    assert inner.state_dict().keys() == expected.keys()
+    assert all(torch.equal(v, expected[k]) for k, v in inner.state_dict().items())
+    assert _tied_groups(inner) == tied  # still one tensor each
+    saved_opt = torch.load(str(path) + ".opt", weights_only=False)
+    assert opt.state_dict()["state"].keys() == saved_opt["state"].keys()
+    assert all(torch.equal(opt.state_dict()["state"][i]["exp_avg"], s["exp_avg"])
+               for i, s in saved_opt["state"].items())
+    assert sched.state_dict()["last_epoch"] == 1
+    states = torch.load(path / "random_states_0.pkl", weights_only=False)
+    assert torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
+    assert acc.step == states["step"]
+    losses = []
+    for step in (1, 2):  # the same batch on every rank: the steps of one process
+        loss = loss_at(step)
+        losses.append(loss.item())
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    expected_losses = json.loads((mpi_tmp_path / f"{name}.losses").read_text())
+    assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
+
+
+def test_assign_keeps_tied_names_tied(accelerate_saves, mpi_tmp_path, comm):
+    """load_state(..., assign=True) gives each key a Parameter of its own (torch's
+    load_state_dict): the names the model tied are one tensor again afterwards."""
+    path = _copied(accelerate_saves, "gpt2", mpi_tmp_path, comm)
+    reset_state()
+    acc = Accelerator()
+    inner = acc.unwrap_model(acc.prepare(_hf_model("gpt2")))  # the weights only: no pickle
+    tied = _tied_groups(inner)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the random_states files are pickles, not read
+        acc.load_state(path, assign=True)
+    expected = torch.load(str(path) + ".expected")
+    assert all(torch.equal(v, expected[k]) for k, v in inner.state_dict().items())
+    assert _tied_groups(inner) == tied
+    assert inner.lm_head.weight is inner.transformer.wte.weight
+
+
 def _everything(acc, model, opt, sched):
     """What a load may change, as values: model, optimizer, scheduler, step, RNG states."""
     return copy.deepcopy({
@@ -402,7 +465,7 @@ def _replace(path, make):
 
 
 @pytest.mark.mpi_timeout(120)  # a FIFO opened for reading waits for a writer forever
-@pytest.mark.parametrize("name", ["mlp"])
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
 @pytest.mark.parametrize("case", list(_HOSTILE))
 def test_a_refused_accelerate_load_changes_nothing(
     accelerate_saves, mpi_tmp_path, comm, case, name

@@ -6,7 +6,8 @@ for more models, `optimizer.bin`, `scheduler.bin`, `scaler.pt`, `sampler.bin`,
 the safetensors files is a pickle, which can run code when it is read: mpaccel reads them only
 when the caller says so (`load_state(dir, allow_pickle=True)` or MPACCEL_ALLOW_PICKLE=1), and
 otherwise refuses, naming the files, before anything is changed. Safetensors model weights load
-either way.
+either way. Accelerate's saver leaves out the second name of a tied tensor (GPT-2's
+`lm_head.weight`): the live model says which names are one tensor, so those are not missing.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ _CONVERT = (
     "converts it to mpaccel's pickle-free format."
 )
 _OTHER_MODEL = (
-    "the checkpoint was written for another model (or prepare() was called in another order)."
+    "the checkpoint was written for another model (or prepare() was called in another order); "
+    "names the model ties to another (tied weights, which Accelerate saves once) are not "
+    "missing."
 )
 _DAMAGED = "the file is damaged, truncated or not Accelerate's; load another checkpoint."
 
@@ -92,8 +95,8 @@ def load_accelerate_state(
     model_options: dict[str, Any],
 ) -> None:
     """Collective: every rank calls this, with the same directory. (1) Each rank opens, reads
-    and checks every file it needs (models: keys both ways, shapes, kinds of dtype;
-    optimizers: their parameter groups; its own `random_states_<rank>.pkl`), changing
+    and checks every file it needs (models: keys both ways, tied names, shapes, kinds of
+    dtype; optimizers: their parameter groups; its own `random_states_<rank>.pkl`), changing
     nothing; the ranks agree. (2) Each object is handed its state (the schedulers' and other
     objects' own code may still refuse it), then the models and optimizers theirs; the ranks
     agree, and a failure on any rank gives every object on every rank its earlier state back.
@@ -147,9 +150,10 @@ def _opened(directory: str) -> Iterator[int]:
 
 class _Read:
     """Phase (1) of a load, done on construction: everything this rank needs of the
-    directory, read and checked, nothing changed. `trees`: entry -> the state to hand over;
-    `rng`: the RNG states as set_rng_state() takes them, or None; `step`: Accelerate's step
-    counter, or None; `notes`: warnings for the main process."""
+    directory, read and checked, nothing changed. `trees`: entry -> the state to hand over
+    (models: completed with their tied names); `rng`: the RNG states as set_rng_state()
+    takes them, or None; `step`: Accelerate's step counter, or None; `notes`: warnings for
+    the main process."""
 
     def __init__(
         self,
@@ -291,8 +295,11 @@ class _Read:
         assign = bool(self.options.get("assign"))
         for name, module in objects.models.items():
             if name in self.trees:
-                rollback.add(name, _model_undo(module, assign))
+                tied = _tied_names(module)
+                rollback.add(name, _model_undo(module, assign, tied))
                 load_into(name, module, self.trees[name], directory, self.options)
+                if assign:  # assign=True gives each name a Parameter of its own: tie them again
+                    _retie(module, tied)
         for name, opt in objects.optimizers.items():
             if name in self.trees:
                 state = opt.state_dict()  # its state tensors themselves, in new dicts
@@ -337,6 +344,21 @@ def _load(fd: int, path: str) -> Any:
         ) from exc
 
 
+def _tied_names(module: torch.nn.Module) -> list[list[str]]:
+    """Groups of the names of the module's state_dict that are one tensor (tied weights:
+    one Parameter or buffer under several names), each in state_dict order. Found from the
+    live module, whatever its architecture."""
+    keys = list(module.state_dict(keep_vars=True))
+    order = {key: i for i, key in enumerate(keys)}
+    groups: dict[int, list[str]] = {}
+    named = [*module.named_parameters(remove_duplicate=False),
+             *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if name in order:
+            groups.setdefault(id(tensor), []).append(name)
+    return [sorted(names, key=order.__getitem__) for names in groups.values() if len(names) > 1]
+
+
 def _kind(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "bool"
@@ -350,8 +372,8 @@ def _model_tree(
 ) -> dict[str, Any]:
     """The checkpoint's state of `module`, checked as load_state_dict would take it (keys both
     ways unless strict=False, shapes) and more (the kind of each dtype: load_state_dict
-    would turn floats into integers silently). Refused, naming every problem, before anything
-    is handed over."""
+    would turn floats into integers silently), with every tied name the checkpoint left out
+    given its tensor. Refused, naming every problem, before anything is handed over."""
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise CheckpointError(
             f"cannot load {entry} from {path!r}: it holds a {type(value).__name__}, not a "
@@ -361,6 +383,19 @@ def _model_tree(
     saved = _strip_ddp(dict(value), module)
     live = module.state_dict()
     problems = []
+    for names in _tied_names(module):
+        present = [n for n in names if n in saved]
+        for other in present[1:]:
+            a, b = saved[present[0]], saved[other]
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and a.shape == b.shape and torch.equal(a, b)):
+                problems.append(
+                    f"{present[0]} and {other} are one tensor in the model, two different "
+                    "ones in the checkpoint"
+                )
+        for name in names:
+            if present and name not in saved:
+                saved[name] = saved[present[0]]
     missing = [k for k in live if k not in saved] if strict else []
     unexpected = [k for k in saved if k not in live] if strict else []
     shapes, kinds = [], []
@@ -408,9 +443,9 @@ def _optimizer_tree(entry: str, opt: Any, value: Any, path: str) -> Any:
     return value
 
 
-def _model_undo(module: torch.nn.Module, assign: bool) -> Any:
+def _model_undo(module: torch.nn.Module, assign: bool, tied: list[list[str]]) -> Any:
     """How to give `module` back its state: its tensors' values, copied now, and (assign=True
-    replaces them) the tensors themselves."""
+    replaces them) the tensors themselves, tied as they were (`tied`)."""
     held = module.state_dict(keep_vars=True)
     kept = {k: v.detach().clone() for k, v in held.items() if isinstance(v, torch.Tensor)}
 
@@ -420,5 +455,15 @@ def _model_undo(module: torch.nn.Module, assign: bool) -> Any:
                 held[key].copy_(value)
         if assign:
             module.load_state_dict(held, strict=False, assign=True)
+            _retie(module, tied)
 
     return undo
+
+
+def _retie(module: torch.nn.Module, groups: list[list[str]]) -> None:
+    """Make each group of names one tensor again: the first name's, under every name."""
+    tensors = module.state_dict(keep_vars=True)
+    for names in groups:
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, tensors[names[0]])
