@@ -255,9 +255,10 @@ class _Read:
             return None
         if not self.rng_here:
             self.notes.append(
-                f"{directory!r} holds the random states of {len(numbers)} processes and is "
-                f"loaded by {world}: per-process RNG states were not restored (each process "
-                "keeps its own)" + ("" if 0 in numbers else ", nor Accelerate's step counter")
+                f"{directory!r} holds the random states of {len(numbers)} "
+                f"process{'es' if len(numbers) > 1 else ''} and is loaded by {world}: RNG "
+                "states were not restored (each process keeps its own)"
+                + ("" if 0 in numbers else ", nor Accelerate's step counter")
             )
             return "random_states_0.pkl" if 0 in numbers else None
         return f"random_states_{rank}.pkl"
