@@ -449,6 +449,9 @@ _HOSTILE = {
     "a truncated random_states file": (
         lambda path, last: _truncate(path / f"random_states_{last}.pkl"),
         r"random_states_\d+\.pkl", "last"),
+    "a step that is not a count on the last rank": (  # refused once the rest was handed over
+        lambda path, last: _edit_pickle(path / f"random_states_{last}.pkl", step=-1),
+        r"holds the step -1, not a count", "last"),
     "a FIFO named model.safetensors": (
         lambda path, last: _replace(path / "model.safetensors", os.mkfifo), r"is a FIFO", "all"),
     "a link named model.safetensors": (
@@ -456,6 +459,12 @@ _HOSTILE = {
             path.parent / "outside.safetensors", p)), r"is a symbolic link", "all"),
 }
 _FIRST_KEY = {"mlp": "0.bias", "gpt2": "transformer.h.0.attn.c_attn.bias"}
+
+
+def _edit_pickle(path, **changes):
+    state = torch.load(path, weights_only=False)
+    state.update(changes)
+    torch.save(state, path)
 
 
 def _truncate(path):
