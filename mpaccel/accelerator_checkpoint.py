@@ -317,7 +317,8 @@ class CheckpointMethods:
         safetensors model weights load; its pickles (`optimizer.bin`, `scheduler.bin`,
         `pytorch_model.bin`, `random_states_<rank>.pkl`, ...) only with `allow_pickle=True`
         (keyword only) or MPACCEL_ALLOW_PICKLE=1, for a directory you trust; otherwise an
-        error names them, before anything changes.
+        error names them, before anything changes. That load is all or nothing on every rank
+        too (checkpoint/accelerate_layout.py).
 
         `load_model_func_kwargs` go to the models' load_state_dict (`strict=False`: keys may
         be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
@@ -347,12 +348,10 @@ class CheckpointMethods:
             if accelerate_dir:
                 assert input_dir is not None
                 self._async_saver.wait()
-                with agreement(comm, f"loading Accelerate checkpoint {input_dir!r}",
-                               kind=checkpoint.CheckpointCollectiveError):
-                    accelerate_layout.load_accelerate_state(
-                        objects, input_dir, self.process_index, allow_pickle,
-                        load_model_func_kwargs,
-                    )
+                accelerate_layout.load_accelerate_state(
+                    comm, objects, input_dir, allow_pickle=allow_pickle,
+                    model_options=load_model_func_kwargs,
+                )
                 return input_dir
             return checkpoint.load_state(
                 comm,

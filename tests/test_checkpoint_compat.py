@@ -4,8 +4,12 @@ load_state on a directory Accelerate wrote. The bodies run at size 1 and under m
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import random
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,10 +17,12 @@ import textwrap
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
-from mpaccel import Accelerator, CollectiveError
+from mpaccel import Accelerator, CollectiveError, PartialState
+from mpaccel.comm import agreement
 from mpaccel.testing import reset_state, run_mpi
 from mpaccel.utils import ProjectConfiguration
 
@@ -142,38 +148,118 @@ def test_a_directory_per_rank_uses_rank_0s(comm):
         acc.wait_for_everyone()  # rank 0's directory outlives the others' loads
 
 
-_ACCELERATE_SAVE = textwrap.dedent("""
-    import sys, torch
+_ACCELERATE_SAVES = textwrap.dedent("""
+    import json, os, sys, torch
     from accelerate import Accelerator
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+    root = sys.argv[1]
     acc = Accelerator(cpu=True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    model, opt, sched = acc.prepare(model, opt, sched)
-    model(torch.ones(2, 32)).sum().backward()
-    opt.step(); sched.step()
-    acc.save_state(sys.argv[1])
-    torch.save(model.state_dict(), sys.argv[1] + ".expected")
-    torch.save(opt.state_dict(), sys.argv[1] + ".opt")
+
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+
+    def batch(step):
+        return torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(step))
+
+    def loss(model, step):
+        if isinstance(model, torch.nn.Sequential):
+            return model(torch.ones(2, 32)).sum()
+        ids = batch(step)
+        return model(input_ids=ids, labels=ids).loss
+
+    def save(name, model):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1 if name == "mlp" else 0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        loss(model, 0).backward()
+        opt.step(); sched.step(); opt.zero_grad()
+        path = os.path.join(root, name)
+        acc.save_state(path)
+        torch.save(model.state_dict(), path + ".expected")
+        torch.save(opt.state_dict(), path + ".opt")
+        after = []  # how training goes on from the checkpoint
+        for step in (1, 2):
+            value = loss(model, step)
+            after.append(value.item())
+            value.backward(); opt.step(); opt.zero_grad()
+        with open(path + ".losses", "w") as f:
+            json.dump(after, f)
+        acc._models.clear(); acc._optimizers.clear(); acc._schedulers.clear()
+
+    save("mlp", mlp())
+    quiet = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    save("gpt2", GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
+                                            n_positions=16, **quiet)))
+    save("bert", BertForMaskedLM(BertConfig(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+        vocab_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)))
 """)
 
 
-def _accelerate_checkpoint(path, comm):
-    """A checkpoint written by the real Accelerate, in a process of its own (rank 0)."""
+def _hf_model(name):
+    """The model of the checkpoint `name` that _ACCELERATE_SAVES wrote, built afresh."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)  # other weights than the checkpoint's
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+        vocab_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def _hf_loss(model, step):
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(step))
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.fixture(scope="module")
+def accelerate_saves(comm, tmp_path_factory):
+    """Checkpoints written by the real Accelerate's save_state (one process, in a process of
+    its own, started once by rank 0): `mlp`, `gpt2` (tied head), `bert` (tied decoder weight
+    and bias), each after one training step, with `.expected` (its model's state_dict), `.opt`
+    (its optimizer's) and `.losses` (the losses of the next two steps) beside it. In rank 0's
+    own directory: tests copy them into their shared one (_copied)."""
     pytest.importorskip("accelerate")
-    if comm.Get_rank() == 0:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PMI_", "MPI_", "OMPI_", "PMIX_", "HYDRA", "MPIR_"))}
-        subprocess.run([sys.executable, "-c", _ACCELERATE_SAVE, str(path)], check=True,
-                       env=env, timeout=240)
-    comm.Barrier()
+    pytest.importorskip("transformers")
+    cache = tmp_path_factory.mktemp("accelerate")
+    # mpaccel's communicator: the others wait without spinning on the cores the save needs
+    with agreement(PartialState().comm, "writing checkpoints with Accelerate"):
+        if comm.Get_rank() == 0:
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("PMI_", "MPI_", "OMPI_", "PMIX_", "HYDRA", "MPIR_"))}
+            run = subprocess.run([sys.executable, "-c", _ACCELERATE_SAVES, str(cache)], env=env,
+                                 capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stderr[-3000:]
+    return cache
 
 
-def test_load_state_of_an_accelerate_checkpoint(mpi_tmp_path, comm):
-    path = mpi_tmp_path / "accelerate"
-    _accelerate_checkpoint(path, comm)
+def _copied(accelerate_saves, name, mpi_tmp_path, comm, change=None, ranks=True):
+    """Rank 0 copies Accelerate's checkpoint `name` (and the files beside it) into the test's
+    shared directory, then does change(path, last rank) to it; every rank gets the path once
+    it is done. Accelerate ran as one process; with `ranks`, at N ranks its
+    random_states_0.pkl is copied to random_states_<r>.pkl for every rank r: what Accelerate
+    writes at N processes whose RNGs were seeded alike."""
+    path = mpi_tmp_path / name
+    with agreement(PartialState().comm, f"copying {name}"):
+        if comm.Get_rank() == 0:
+            shutil.copytree(accelerate_saves / name, path)
+            for extra in accelerate_saves.glob(f"{name}.*"):
+                shutil.copy(extra, mpi_tmp_path / extra.name)
+            for rank in range(1, comm.Get_size() if ranks else 1):
+                shutil.copy(path / "random_states_0.pkl", path / f"random_states_{rank}.pkl")
+            if change is not None:
+                change(path, comm.Get_size() - 1)
+    return path
+
+
+def test_load_state_of_an_accelerate_checkpoint(accelerate_saves, mpi_tmp_path, comm):
+    path = _copied(accelerate_saves, "mlp", mpi_tmp_path, comm, ranks=False)
     assert (path / "model.safetensors").exists() and (path / "optimizer.bin").exists()
 
     def prepared():
@@ -207,13 +293,212 @@ def test_load_state_of_an_accelerate_checkpoint(mpi_tmp_path, comm):
     assert all(torch.equal(v, before[k])
                for k, v in acc.unwrap_model(model).state_dict().items())  # nothing changed
     acc, model, opt, sched = prepared()
-    acc.load_state(path, allow_pickle=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(path, allow_pickle=True)
+    # saved by one process: at N > 1 ranks the RNG states stay, the main process says so
+    other_size = [w for w in caught if "holds the random states of 1 process and is loaded by"
+                  in str(w.message)]
+    assert len(other_size) == (acc.num_processes > 1 and acc.is_main_process), caught
     assert all(torch.equal(v, expected[k])
                for k, v in acc.unwrap_model(model).state_dict().items())
     saved_opt = torch.load(str(path) + ".opt", weights_only=False)
     assert opt.state_dict()["state"][0]["step"] == saved_opt["state"][0]["step"]
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved_opt["state"][0]["exp_avg"])
     assert sched.state_dict()["last_epoch"] == 1
+
+
+def _prepared(name):
+    """A fresh mpaccel Accelerator and the model `name` (mlp, gpt2, bert: built afresh, other
+    weights than the checkpoint's), AdamW and StepLR, prepared, and its loss at a step."""
+    reset_state()
+    acc = Accelerator()
+    model = _model(seed=5) if name == "mlp" else _hf_model(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    loss = (lambda step: model(torch.ones(2, 32)).sum()) if name == "mlp" else (
+        lambda step: _hf_loss(model, step))
+    return acc, model, opt, sched, loss
+
+
+def _tied_groups(module):
+    """Names of the parameters that are one tensor, as the model ties them."""
+    groups: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return sorted(names for names in groups.values() if len(names) > 1)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_an_accelerate_save_of_a_tied_model_loads_and_continues(
+    accelerate_saves, mpi_tmp_path, comm, name
+):
+    """Accelerate's saver drops tied aliases (GPT-2's lm_head.weight, BERT's decoder weight
+    and bias); the model ties them itself, so they are not missing: the load takes every
+    tensor, the optimizer, scheduler, step and RNG states, and training goes on as it went on
+    under Accelerate."""
+    path = _copied(accelerate_saves, name, mpi_tmp_path, comm)
+    saved = safetensors_torch.load_file(path / "model.safetensors")
+    acc, model, opt, sched, loss_at = _prepared(name)
+    inner = acc.unwrap_model(model)
+    tied = _tied_groups(inner)
+    assert tied and all(sum(n in saved for n in names) == 1 for names in tied), (tied, list(saved))
+    acc.load_state(path, allow_pickle=True)
+    expected = torch.load(str(path) + ".expected")
+    assert inner.state_dict().keys() == expected.keys()
+    assert all(torch.equal(v, expected[k]) for k, v in inner.state_dict().items())
+    assert _tied_groups(inner) == tied  # still one tensor each
+    saved_opt = torch.load(str(path) + ".opt", weights_only=False)
+    assert opt.state_dict()["state"].keys() == saved_opt["state"].keys()
+    assert all(torch.equal(opt.state_dict()["state"][i]["exp_avg"], s["exp_avg"])
+               for i, s in saved_opt["state"].items())
+    assert sched.state_dict()["last_epoch"] == 1
+    states = torch.load(path / "random_states_0.pkl", weights_only=False)
+    assert torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
+    assert acc.step == states["step"]
+    losses = []
+    for step in (1, 2):  # the same batch on every rank: the steps of one process
+        loss = loss_at(step)
+        losses.append(loss.item())
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    expected_losses = json.loads((mpi_tmp_path / f"{name}.losses").read_text())
+    assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
+
+
+def test_assign_keeps_tied_names_tied(accelerate_saves, mpi_tmp_path, comm):
+    """load_state(..., assign=True) gives each key a Parameter of its own (torch's
+    load_state_dict): the names the model tied are one tensor again afterwards."""
+    path = _copied(accelerate_saves, "gpt2", mpi_tmp_path, comm)
+    reset_state()
+    acc = Accelerator()
+    inner = acc.unwrap_model(acc.prepare(_hf_model("gpt2")))  # the weights only: no pickle
+    tied = _tied_groups(inner)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the random_states files are pickles, not read
+        acc.load_state(path, assign=True)
+    expected = torch.load(str(path) + ".expected")
+    assert all(torch.equal(v, expected[k]) for k, v in inner.state_dict().items())
+    assert _tied_groups(inner) == tied
+    assert inner.lm_head.weight is inner.transformer.wte.weight
+
+
+def _everything(acc, model, opt, sched):
+    """What a load may change, as values: model, optimizer, scheduler, step, RNG states."""
+    return copy.deepcopy({
+        "model": acc.unwrap_model(model).state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "step": acc.step,
+        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+    })
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def _trained_once(name):
+    """Prepared (_prepared), then one step of its own: the optimizer has state, the scheduler
+    and the RNGs moved, all of it different from the checkpoint's."""
+    acc, model, opt, sched, loss_at = _prepared(name)
+    acc.backward(loss_at(5))
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    torch.rand(3)
+    return acc, model, opt, sched
+
+
+def _rewrite_model(edit):
+    """A change that rewrites model.safetensors after edit(tensors, key), `key` the first of
+    its tensors (by name): not tied to any other."""
+    def change(path, last):
+        tensors = safetensors_torch.load_file(path / "model.safetensors")
+        edit(tensors, min(tensors))
+        safetensors_torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return change
+
+
+def _longer(tensor):
+    return torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:])
+
+
+_HOSTILE = {
+    # what is done to the checkpoint, what the error says (`key`: the first tensor's name),
+    # on which ranks it fails ("all"; "last": the last rank, the only one that reads
+    # random_states_<last>.pkl)
+    "an extra key": (_rewrite_model(lambda t, key: t.update(extra=torch.zeros(3))),
+                     r"unexpected keys \['extra'\]", "all"),
+    "a wrong shape": (_rewrite_model(lambda t, key: t.update({key: _longer(t[key])})),
+                      r"other shapes: {key}: \[\d+\] in the checkpoint, \[\d+\] here", "all"),
+    "a wrong dtype": (_rewrite_model(lambda t, key: t.update({key: t[key].to(torch.int64)})),
+                      r"{key}: torch\.int64 in the checkpoint, torch\.float32 here", "all"),
+    "a missing tensor": (_rewrite_model(lambda t, key: t.pop(key)),
+                         r"missing keys \['{key}'\]", "all"),
+    "a truncated random_states file": (
+        lambda path, last: _truncate(path / f"random_states_{last}.pkl"),
+        r"random_states_\d+\.pkl", "last"),
+    "a step that is not a count on the last rank": (  # refused once the rest was handed over
+        lambda path, last: _edit_pickle(path / f"random_states_{last}.pkl", step=-1),
+        r"holds the step -1, not a count", "last"),
+    "a FIFO named model.safetensors": (
+        lambda path, last: _replace(path / "model.safetensors", os.mkfifo), r"is a FIFO", "all"),
+    "a link named model.safetensors": (
+        lambda path, last: _replace(path / "model.safetensors", lambda p: os.symlink(
+            path.parent / "outside.safetensors", p)), r"is a symbolic link", "all"),
+}
+_FIRST_KEY = {"mlp": "0.bias", "gpt2": "transformer.h.0.attn.c_attn.bias"}
+
+
+def _edit_pickle(path, **changes):
+    state = torch.load(path, weights_only=False)
+    state.update(changes)
+    torch.save(state, path)
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _replace(path, make):
+    """`path` replaced by what make(path) creates; the file it was is kept outside the
+    checkpoint, as outside.safetensors (a link points there)."""
+    os.replace(path, path.parent.parent / "outside.safetensors")
+    make(path)
+
+
+@pytest.mark.mpi_timeout(120)  # a FIFO opened for reading waits for a writer forever
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+@pytest.mark.parametrize("case", list(_HOSTILE))
+def test_a_refused_accelerate_load_changes_nothing(
+    accelerate_saves, mpi_tmp_path, comm, case, name
+):
+    """Everything is read and checked on every rank, the ranks agree, then anything is applied:
+    a refused load leaves the model, optimizer, scheduler, step and RNG states as they were,
+    on every rank, and every rank raises the same error naming the failing rank(s)."""
+    change, message, failing = _HOSTILE[case]
+    path = _copied(accelerate_saves, name, mpi_tmp_path, comm, change)
+    acc, model, opt, sched = _trained_once(name)
+    before = _everything(acc, model, opt, sched)
+    with pytest.raises(CollectiveError, match=message.format(key=re.escape(_FIRST_KEY[name]))) \
+            as info:
+        acc.load_state(path, allow_pickle=True)
+    ranks = list(range(comm.Get_size())) if failing == "all" else [comm.Get_size() - 1]
+    assert info.value.failed_ranks == ranks, str(info.value)
+    assert len(set(comm.allgather(str(info.value)))) == 1  # the same error on every rank
+    assert _same(before, _everything(acc, model, opt, sched)), case
 
 
 def test_a_rank_alone_while_the_others_compute(mpi_tmp_path, monkeypatch):
