@@ -411,6 +411,18 @@ def test_a_script_may_end_right_after_a_collective(tmp_path, last):
         assert not any("terminate called" in err for err in run.stderr), run.describe()
 
 
+def test_a_rank_prefix_gives_one_rank_its_own_environment(tmp_path):
+    # An MPMD launch (one program per rank), each rank's output still in files of its own.
+    script = _script(tmp_path, """
+        import os
+        from mpaccel._env import rank_before_init
+        print(os.environ.get("MPACCEL_TEST_ONLY_HERE"), rank_before_init())
+    """)
+    run = run_mpi([script], n=3, timeout=60,
+                  rank_prefix={1: ["env", "MPACCEL_TEST_ONLY_HERE=yes"]}).check()
+    assert list(run.stdout) == ["None 0\n", "yes 1\n", "None 2\n"], run.describe()
+
+
 def _end(pids):
     """Kill what a test left running (checking start times), so that it leaks into no later test."""
     launch.wait_gone(launch.kill_alive(pids), 30)
