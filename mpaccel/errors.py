@@ -138,6 +138,22 @@ class DistributedOperationException(CollectiveError, ConfigurationError):
         return (type(self), (self.message, self.hint, self.operation))
 
 
+class SettingsMismatchError(CollectiveError, ConfigurationError):
+    """Ranks resolved a setting they must share (the FSDP plugin, mixed precision, the mesh,
+    gradient accumulation, ...) to different values. Every rank compares the same gathered
+    settings, so every rank raises this same error, naming each setting, its values and the
+    ranks holding each; `failures` stays empty (no rank failed: they disagree), so rank 0
+    alone aborts the job when nobody catches it. Also a ConfigurationError."""
+
+    def __init__(self, message: str, hint: str | None = None, operation: str = "") -> None:
+        self.operation = operation
+        self.failures = {}
+        MpaccelError.__init__(self, message, hint)
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.hint, self.operation))
+
+
 class PeerFailedError(CollectiveError):
     """This rank was waiting in a collective when another rank reported a failure (under the
     pytest plugin: a failed test); the collective is abandoned instead of waiting forever."""

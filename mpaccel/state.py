@@ -8,11 +8,12 @@ forgets the configuration, so tests can build a fresh state cheaply.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from . import _absent, _env, sharding
+from . import _absent, _env, sharding, shared_settings
 from .config import (
     SHARD_INSTEAD,
     GradientAccumulationPlugin,
@@ -72,6 +73,7 @@ class AcceleratorState:
         megatron_lm_plugin: Any = None,
         parallelism_config: Any = None,
         _from_accelerator: bool = False,
+        _settings: Sequence[shared_settings.Setting] = (),
         **kwargs: Any,
     ) -> None:
         self.__dict__ = self._shared_state
@@ -120,14 +122,21 @@ class AcceleratorState:
                     + ("without an fsdp_plugin" if current is None else "with another fsdp_plugin"),
                     "create the Accelerator once, or call AcceleratorState._reset_state() first.",
                 )
-            if _from_accelerator:
+            if _from_accelerator:  # Accelerator() is collective; its own settings may be new
+                resolved = shared_settings.of_state(
+                    current, self.__dict__.get("parallelism_config"), self._mixed_precision
+                )
+                shared_settings.compare(partial.comm, [*resolved, *_settings], "Accelerator()")
                 self._from_accelerator = True
             return
         mixed = requested or "no"
         mesh = None
+        if fsdp_plugin is not None and mixed in ("bf16", "fp16"):
+            fsdp_plugin.set_mixed_precision(mixed)
+        if _from_accelerator:  # before the mesh: building it is collective for FSDP ranks only
+            resolved = shared_settings.of_state(fsdp_plugin, parallelism_config, mixed)
+            shared_settings.compare(partial.comm, [*resolved, *_settings], "Accelerator()")
         if fsdp_plugin is not None:
-            if mixed in ("bf16", "fp16"):
-                fsdp_plugin.set_mixed_precision(mixed)
             mesh = sharding.build_mesh(partial, fsdp_plugin, parallelism_config)
             self.distributed_type = DistributedType.FSDP
         self._partial = partial
