@@ -108,6 +108,14 @@ class AcceleratorState:
                 )
         partial = PartialState(cpu, **kwargs)
         if self.initialized:
+            current = self.__dict__.get("fsdp_plugin")
+            if _from_accelerator:  # Accelerator() is collective; what it asks may differ by rank
+                resolved = shared_settings.of_state(
+                    current if explicit_fsdp is None else explicit_fsdp,
+                    self.__dict__.get("parallelism_config"),
+                    requested or self._mixed_precision,
+                )  # first, so that the refusals below are every rank's or none's
+                shared_settings.compare(partial.comm, [*resolved, *_settings], "Accelerator()")
             if requested is not None and requested != self._mixed_precision:
                 raise ConfigurationError(
                     f"AcceleratorState was already initialised with "
@@ -115,18 +123,13 @@ class AcceleratorState:
                     f"{requested!r}",
                     "create the Accelerator once, or call AcceleratorState._reset_state() first.",
                 )
-            current = self.__dict__.get("fsdp_plugin")
             if explicit_fsdp is not None and explicit_fsdp is not current:
                 raise ConfigurationError(
                     "AcceleratorState was already initialised "
                     + ("without an fsdp_plugin" if current is None else "with another fsdp_plugin"),
                     "create the Accelerator once, or call AcceleratorState._reset_state() first.",
                 )
-            if _from_accelerator:  # Accelerator() is collective; its own settings may be new
-                resolved = shared_settings.of_state(
-                    current, self.__dict__.get("parallelism_config"), self._mixed_precision
-                )
-                shared_settings.compare(partial.comm, [*resolved, *_settings], "Accelerator()")
+            if _from_accelerator:
                 self._from_accelerator = True
             return
         mixed = requested or "no"

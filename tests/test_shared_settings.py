@@ -69,6 +69,15 @@ def test_a_second_accelerator_compares_its_own_settings(state):
         Accelerator(even_batches=state.process_index != 1)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_second_accelerator_asking_one_rank_for_another_precision(state):
+    # The refusal to switch mixed precision was raised on rank 1 alone; the others went on.
+    Accelerator()
+    said = r"mixed_precision .*: 'no' on ranks? 0.*; 'bf16' on rank 1"
+    with pytest.raises(SettingsMismatchError, match=said):
+        Accelerator(mixed_precision="bf16" if state.process_index == 1 else None)
+
+
 def test_canonical_text_holds_no_addresses():
     plugin = FullyShardedDataParallelPlugin(
         auto_wrap_policy=lambda module: False, ignored_modules=[torch.nn.Linear(1, 1)],
