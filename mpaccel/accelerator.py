@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import _absent, checkpoint, ops, preemption, tracking
+from . import _absent, checkpoint, ops, preemption, shared_settings, tracking
 from .accelerator_checkpoint import CheckpointMethods
 from .accelerator_parallelism import ParallelismFacts
 from .accelerator_training import TrainingMethods
@@ -110,6 +110,7 @@ class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
             project_config = ProjectConfiguration(project_dir=project_dir)
         elif project_dir is not None:
             project_config.set_directories(project_dir)
+        rng_types = rng_types if rng_types is not None else ["generator"]
 
         self.state = AcceleratorState(
             mixed_precision=mixed_precision,
@@ -121,6 +122,12 @@ class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
             megatron_lm_plugin=megatron_lm_plugin,
             parallelism_config=parallelism_config,
             _from_accelerator=True,
+            _settings=shared_settings.of_accelerator(
+                gradient_accumulation_plugin,
+                dataloader_config,
+                handlers.get(DistributedDataParallelKwargs, DistributedDataParallelKwargs()),
+                rng_types,
+            ),
             **pg.to_kwargs(),
         )
         self.gradient_state = GradientState(gradient_accumulation_plugin)
@@ -128,7 +135,7 @@ class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
         self.dataloader_config = dataloader_config
         self.project_configuration = project_config
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.rng_types = rng_types if rng_types is not None else ["generator"]
+        self.rng_types = rng_types
         self.log_with = tracking.resolve(log_with)  # an unknown tracker is an error now
         self.trackers: list[tracking.GeneralTracker] = []
         self._trigger = 0

@@ -122,12 +122,10 @@ class CollectiveError(MpaccelError):
         return "\n".join(out)
 
 
-class DistributedOperationException(CollectiveError, ConfigurationError):
-    """Ranks passed tensors that a collective operation cannot combine (shapes or dtypes that
-    differ across ranks), as Accelerate's exception of this name. The check runs on every rank
-    on the same gathered facts, so every rank raises this same error; `failures` stays empty
-    (no rank failed: they disagree) and the message lists what each rank passed. Also a
-    ConfigurationError, which it was before it had Accelerate's name."""
+class _Disagreement(CollectiveError, ConfigurationError):
+    """Ranks that disagree, found on every rank from the same gathered facts: every rank
+    raises the same error; `failures` stays empty (no rank failed), so rank 0 alone aborts
+    the job when nobody catches it. Also a ConfigurationError."""
 
     def __init__(self, message: str, hint: str | None = None, operation: str = "") -> None:
         self.operation = operation
@@ -136,6 +134,20 @@ class DistributedOperationException(CollectiveError, ConfigurationError):
 
     def __reduce__(self):
         return (type(self), (self.message, self.hint, self.operation))
+
+
+class DistributedOperationException(_Disagreement):
+    """Ranks passed tensors that a collective operation cannot combine (shapes or dtypes that
+    differ across ranks), as Accelerate's exception of this name. The check runs on every rank
+    on the same gathered facts, so every rank raises this same error; `failures` stays empty
+    (no rank failed: they disagree) and the message lists what each rank passed. Also a
+    ConfigurationError, which it was before it had Accelerate's name."""
+
+
+class SettingsMismatchError(_Disagreement):
+    """Ranks resolved a setting they must share (the FSDP plugin, mixed precision, the mesh,
+    gradient accumulation, ...) to different values (mpaccel/shared_settings.py). The message
+    names each setting, its values and the ranks holding each."""
 
 
 class PeerFailedError(CollectiveError):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import _env, distributed
+from . import _env, distributed, shared_settings
 from .comm import Comm, agreement
 from .config_fsdp import FullyShardedDataParallelPlugin, ParallelismConfig
 from .errors import CollectiveError, ConfigurationError
@@ -125,7 +125,9 @@ def shard_model(
         blocks, note = fsdp.blocks_to_wrap(model, plugin)
         if plugin.ignored_modules is not None:
             fsdp.ignored_parameters(model, plugin.ignored_modules)  # a bad regex fails here
-    prints = comm.allgather(_fingerprint(model), what="comparing the models to shard")
+    units = shared_settings.of_units(model, blocks)
+    gathered = comm.allgather((_fingerprint(model), units), what="comparing the models to shard")
+    prints = [p for p, _ in gathered]
     if len(set(prints)) > 1:
         odd = [r for r, p in enumerate(prints) if p != prints[0]]
         raise ConfigurationError(
@@ -133,6 +135,9 @@ def shard_model(
             "other parameter names, shapes or dtypes than rank 0's",
             "build the same model on every rank before prepare().",
         )
+    mismatch = shared_settings.mismatch([[u] for _, u in gathered], "prepare()")
+    if mismatch is not None:  # a wrap policy that decides by the rank or its environment
+        raise mismatch
     if note and comm.rank == 0:
         fsdp.warn(note)
     if placement and not fsdp.has_meta_tensors(model):

@@ -8,11 +8,12 @@ forgets the configuration, so tests can build a fresh state cheaply.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from . import _absent, _env, sharding
+from . import _absent, _env, sharding, shared_settings
 from .config import (
     SHARD_INSTEAD,
     GradientAccumulationPlugin,
@@ -72,6 +73,7 @@ class AcceleratorState:
         megatron_lm_plugin: Any = None,
         parallelism_config: Any = None,
         _from_accelerator: bool = False,
+        _settings: Sequence[shared_settings.Setting] = (),
         **kwargs: Any,
     ) -> None:
         self.__dict__ = self._shared_state
@@ -106,6 +108,14 @@ class AcceleratorState:
                 )
         partial = PartialState(cpu, **kwargs)
         if self.initialized:
+            current = self.__dict__.get("fsdp_plugin")
+            if _from_accelerator:  # Accelerator() is collective; what it asks may differ by rank
+                resolved = shared_settings.of_state(
+                    current if explicit_fsdp is None else explicit_fsdp,
+                    self.__dict__.get("parallelism_config"),
+                    requested or self._mixed_precision,
+                )  # first, so that the refusals below are every rank's or none's
+                shared_settings.compare(partial.comm, [*resolved, *_settings], "Accelerator()")
             if requested is not None and requested != self._mixed_precision:
                 raise ConfigurationError(
                     f"AcceleratorState was already initialised with "
@@ -113,7 +123,6 @@ class AcceleratorState:
                     f"{requested!r}",
                     "create the Accelerator once, or call AcceleratorState._reset_state() first.",
                 )
-            current = self.__dict__.get("fsdp_plugin")
             if explicit_fsdp is not None and explicit_fsdp is not current:
                 raise ConfigurationError(
                     "AcceleratorState was already initialised "
@@ -125,9 +134,12 @@ class AcceleratorState:
             return
         mixed = requested or "no"
         mesh = None
+        if fsdp_plugin is not None and mixed in ("bf16", "fp16"):
+            fsdp_plugin.set_mixed_precision(mixed)
+        if _from_accelerator:  # before the mesh: building it is collective for FSDP ranks only
+            resolved = shared_settings.of_state(fsdp_plugin, parallelism_config, mixed)
+            shared_settings.compare(partial.comm, [*resolved, *_settings], "Accelerator()")
         if fsdp_plugin is not None:
-            if mixed in ("bf16", "fp16"):
-                fsdp_plugin.set_mixed_precision(mixed)
             mesh = sharding.build_mesh(partial, fsdp_plugin, parallelism_config)
             self.distributed_type = DistributedType.FSDP
         self._partial = partial

@@ -39,3 +39,18 @@ def test_one_filter_takes_every_mpaccel_warning(monkeypatch):
                 site()
         assert isinstance(caught.value, UserWarning)
         assert isinstance(caught.value, RuntimeWarning) == (category is MpaccelRuntimeWarning)
+
+
+def test_a_settings_mismatch_keeps_its_message_and_hint_when_pickled():
+    # mpi4py pickles exceptions; rank 0 alone aborts for it (no failing rank: they disagree)
+    import pickle
+
+    from mpaccel.errors import CollectiveError, ConfigurationError, SettingsMismatchError
+
+    error = SettingsMismatchError("Accelerator(): the ranks were given ...", "set it.", "here")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.message, copy.hint, copy.operation, copy.failures) == (
+        error.message, error.hint, "here", {}
+    )
+    assert isinstance(copy, ConfigurationError) and isinstance(copy, CollectiveError)
+    assert str(copy) == with_hint(error.message, "set it.")

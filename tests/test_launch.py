@@ -411,6 +411,18 @@ def test_a_script_may_end_right_after_a_collective(tmp_path, last):
         assert not any("terminate called" in err for err in run.stderr), run.describe()
 
 
+def test_a_rank_prefix_gives_one_rank_its_own_environment(tmp_path):
+    # An MPMD launch (one program per rank), each rank's output still in files of its own.
+    script = _script(tmp_path, """
+        import os
+        from mpaccel._env import rank_before_init
+        print(os.environ.get("MPACCEL_TEST_ONLY_HERE"), rank_before_init())
+    """)
+    run = run_mpi([script], n=3, timeout=60,
+                  rank_prefix={1: ["env", "MPACCEL_TEST_ONLY_HERE=yes"]}).check()
+    assert list(run.stdout) == ["None 0\n", "yes 1\n", "None 2\n"], run.describe()
+
+
 def _end(pids):
     """Kill what a test left running (checking start times), so that it leaks into no later test."""
     launch.wait_gone(launch.kill_alive(pids), 30)
@@ -569,29 +581,23 @@ def test_a_malformed_variable_on_one_rank_fails_every_rank(tmp_path, variable, v
                                                            body):
     # Raised before MPI_Init on rank 1 alone, it left rank 0 waiting in MPI_Init until the
     # job's timeout (measured: hydra does not end the job when a rank exits before MPI_Init).
-    venv = pathlib.Path(sys.prefix) / "bin"
-    body = f"from mpaccel import Accelerator, PartialState; {body}"
-    command = [str(venv / "mpiexec"), "-n", "1", sys.executable, "-c", body, ":",
-               "-n", "1", "-env", "SLURM_JOB_ID", "5", "-env", variable, value,
-               sys.executable, "-c", body]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                            env=_env.child_environment())
-    assert result.returncode != 0
-    said = "ConfigurationError: on rank 1 ("
-    assert result.stderr.count(said) == 2, result.stderr
-    assert f"only: environment variable {variable}={value!r} is not {kind}" in result.stderr
+    # Each rank's stderr is read on its own: in the launcher's one pipe, the other rank's
+    # bytes once cut "mpaccel.errors" from ".ConfigurationError:".
+    script = _script(tmp_path, f"from mpaccel import Accelerator, PartialState; {body}")
+    run = run_mpi([script], n=2, timeout=60,
+                  rank_prefix={1: ["env", "SLURM_JOB_ID=5", f"{variable}={value}"]})
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    said = f"ConfigurationError: on rank 1 ({socket.gethostname()}) only: environment variable "
+    said += f"{variable}={value!r} is not {kind}"
+    assert [err.count(said) for err in run.stderr] == [1, 1], run.describe()
 
 
 def test_mpaccel_env_reports_a_variable_bad_on_one_rank_on_every_rank(tmp_path):
     # The rank with the bad value skipped discovery while the others waited in it.
-    venv = pathlib.Path(sys.prefix) / "bin"
-    command = [str(venv / "mpiexec"), "-n", "1", sys.executable, "-m", "mpaccel", "env", ":",
-               "-n", "1", "-env", "MPACCEL_TIMEOUT", "nan", sys.executable, "-m", "mpaccel",
-               "env"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                            env=_env.child_environment())
-    assert result.returncode == 1, result.stdout + result.stderr
-    problem = result.stdout.split("launch problem\n--------------\n")[1].split("\n\n")[0]
+    run = run_mpi(["-m", "mpaccel", "env"], n=2, timeout=60, cwd=tmp_path,
+                  rank_prefix={1: ["env", "MPACCEL_TIMEOUT=nan"]})
+    assert not run.timed_out and run.returncode == 1, run.describe()
+    problem = run.stdout[0].split("launch problem\n--------------\n")[1].split("\n\n")[0]
     assert problem.startswith(f"on rank 1 ({socket.gethostname()}) only: environment variable "
                               "MPACCEL_TIMEOUT='nan' is not a number of seconds"), problem
 
@@ -647,17 +653,13 @@ def test_silent_singletons_under_a_real_foreign_mpiexec(tmp_path):
         if _env.get("ci"):
             pytest.fail(reason)
         pytest.skip(reason)
-    env = _env.child_environment(
-        {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    )
-    result = subprocess.run(
-        [str(venv / "bin" / "mpiexec"), "-n", "2", str(foreign_python), "-c",
-         "from mpaccel import PartialState; PartialState()"],
-        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )
-    assert result.returncode != 0
-    assert "silent singletons" in result.stderr, result.stderr
-    assert "MPI4PY_LIBMPI=libmpich.so.12" in result.stderr and "\\x00" not in result.stderr
+    env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    script = _script(tmp_path, "from mpaccel import PartialState; PartialState()")
+    run = run_mpi([script], n=2, timeout=120, env=env, cwd=tmp_path, python=str(foreign_python))
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    for err in run.stderr:  # each process is a world of its own, and says so
+        assert "silent singletons" in err, run.describe()
+        assert "MPI4PY_LIBMPI=libmpich.so.12" in err and "\\x00" not in err, run.describe()
 
 
 def test_silent_singleton_from_srun_without_mpi_plugin(tmp_path):

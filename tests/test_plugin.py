@@ -331,16 +331,13 @@ def test_silent_singletons_stop_every_copy(tmp_path):
             pytest.fail(reason)
         pytest.skip(reason)
     (tmp_path / "test_ab.py").write_text("def test_a():\n    pass\ndef test_b():\n    pass\n")
-    mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
-    result = subprocess.run(
-        [str(mpiexec), "-n", "2", str(foreign_python), "-m", "pytest", "-p", "no:cacheprovider",
-         "test_ab.py"],
-        env=_env.child_environment(), capture_output=True, text=True, timeout=180, cwd=tmp_path,
-    )
-    assert result.returncode == 4, result.stdout + result.stderr
-    assert result.stderr.count("ERROR: MPICH hydra mpiexec started 2 processes") == 2, result
-    assert "silent singletons" in result.stderr and "HINT:" in result.stderr
-    assert "passed" not in result.stdout
+    run = run_mpi(["-m", "pytest", "-p", "no:cacheprovider", "test_ab.py"], n=2, timeout=180,
+                  cwd=tmp_path, python=str(foreign_python))
+    assert run.returncode == 4 and run.returncodes == (4, 4), run.describe()
+    for err in run.stderr:  # each copy stops, and says why
+        assert err.count("ERROR: MPICH hydra mpiexec started 2 processes") == 1, run.describe()
+        assert "silent singletons" in err and "HINT:" in err, run.describe()
+    assert not any("passed" in out for out in run.stdout), run.describe()
 
 
 def test_silent_singleton_from_srun_without_mpi(tmp_path):
@@ -671,27 +668,26 @@ def test_temporary_paths_on_another_node_than_rank_0s(tmp_path):
         "def test_shared(mpi_tmp_path):\n    (mpi_tmp_path / 'y').write_text('y')\n"
     )
 
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        pytest_args = ["-m", "pytest", "-p", "no:cacheprovider", "test_nodes.py", *args]
-        other_node = f"mount -t tmpfs none {node_tmp} && exec {sys.executable} "
-        other_node += " ".join(pytest_args)
-        return subprocess.run(
-            [str(Path(sys.prefix) / "bin" / "mpiexec"), "-n", "1", sys.executable, *pytest_args,
-             ":", "-n", "1", "unshare", "-m", "sh", "-c", other_node],
-            env=_env.child_environment({"TMPDIR": str(node_tmp)}), capture_output=True,
-            text=True, timeout=180, cwd=tmp_path,
-        )
+    other_node = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none {node_tmp} && exec "$@"',
+                  "sh"]
+
+    def run(*args: str):
+        return run_mpi(["-m", "pytest", "-p", "no:cacheprovider", "test_nodes.py", *args], n=2,
+                       timeout=180, env={"TMPDIR": str(node_tmp)}, cwd=tmp_path,
+                       rank_prefix={1: other_node})
 
     # tmp_path works on every node; mpi_tmp_path says why it cannot and what to do
     result = run()
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "1 passed, 1 error" in _summary(result.stdout), result.stdout + result.stderr
-    assert "is not on a filesystem that every node shares" in result.stdout
-    assert "HINT: run with --basetemp=DIR" in result.stdout
+    assert result.returncode == 1, result.describe()
+    out = result.stdout[0]  # the report is rank 0's
+    summary = _summary(out)  # with "1 warning" too: rankio imported mpaccel before pytest
+    assert "1 passed" in summary and "1 error" in summary, result.describe()
+    assert "is not on a filesystem that every node shares" in out
+    assert "HINT: run with --basetemp=DIR" in out
     # which is a --basetemp on a filesystem that every rank sees
     result = run(f"--basetemp={tmp_path / 'shared-fs'}")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 passed" in _summary(result.stdout), result.stdout + result.stderr
+    assert result.returncode == 0, result.describe()
+    assert "2 passed" in _summary(result.stdout[0]), result.describe()
     assert sorted(p.name for p in (tmp_path / "shared-fs").iterdir()) == [
         "rank-0", "rank-1", "shared"
     ]

@@ -95,6 +95,8 @@ def mpiexec_command(n: int) -> tuple[list[str], dict[str, str]]:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             extra = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
         extra["OMPI_MCA_mpi_yield_when_idle"] = "1"
+        # also for an MPMD launch, where --oversubscribe stands in the first program's options
+        extra["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
     return argv, extra
 
 
@@ -174,22 +176,39 @@ def run_mpi(
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     per_rank_output: bool = True,
+    rank_prefix: Mapping[int, Sequence[str]] | None = None,
+    python: str | None = None,
 ) -> MPIRun:
     """Run `python ARGS` (a script path, or `-m module ...`) on n ranks under mpiexec.
 
-    Each rank's stdout and stderr are kept apart in files. `per_rank_output=False` leaves them
+    Each rank's stdout and stderr are kept apart in files: read what each rank wrote from
+    `stdout[r]` / `stderr[r]`, never from bytes the ranks wrote into one pipe, where one rank's
+    line may be cut by another's (the launcher forwards whatever each rank wrote last, and
+    its rank labels do not wait for the end of a line). `per_rank_output=False` leaves them
     to the launcher instead, as a user's terminal has them: they are then all in
     `launcher_output` (stderr merged), `stdout` and `stderr` are empty.
+
+    `rank_prefix[r]`: a command rank r's Python runs under, which must exec the rest (an MPMD
+    launch, one rank per program): `["env", "X=1"]` sets X for that rank only, as a job
+    whose ranks see different environments. `python`: another interpreter than this one
+    (another venv's), for every rank.
 
     Never hangs: after `timeout` seconds the launcher's process group is terminated (then killed)
     and the result says timed_out=True. No rank outlives it: each rank writes its pid and start
     time (rankio), and any still alive once the launcher is gone (on a timeout, or when the
     launcher died) is killed and waited for. Does not raise on failure; call `.check()` for that.
     """
-    argv, extra = mpiexec_command(n)
     outdir = tempfile.mkdtemp(prefix="mpaccel-run-")
     mode = [] if per_rank_output else ["--launcher-output"]
-    command = [*argv, sys.executable, "-m", "mpaccel.testing.rankio", outdir, *mode, *args]
+    program = [python or sys.executable, "-m", "mpaccel.testing.rankio", outdir, *mode, *args]
+    if rank_prefix:
+        argv, extra = mpiexec_command(1)
+        command = [*argv, *rank_prefix.get(0, ()), *program]
+        for rank in range(1, n):
+            command += [":", "-n", "1", *rank_prefix.get(rank, ()), *program]
+    else:
+        argv, extra = mpiexec_command(n)
+        command = [*argv, *program]
     child_env = _env.child_environment({**extra, **(env or {})})
     start = time.monotonic()
     proc = subprocess.Popen(
