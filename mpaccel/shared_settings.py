@@ -167,20 +167,10 @@ def of_accelerator(
     return settings
 
 
-def _digest_bits(size: int) -> tuple[int, int]:
-    """(bits of the digest, bits its sum over `size` ranks needs): the digest and its square
-    are summed side by side in one int64 (see compare)."""
-    spare = max(1, (size - 1).bit_length())  # the sum of `size` values needs this many more
-    bits = (62 - 2 * spare) // 3
-    return bits, bits + spare
-
-
-def _packed(settings: Sequence[Setting], size: int) -> int:
-    bits, low = _digest_bits(size)
+def _digest(settings: Sequence[Setting]) -> int:
+    """62 bits of a hash of the settings (a non-negative int64)."""
     text = "\n".join(f"{s.name}={s.value}" for s in settings).encode()
-    digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
-    digest &= (1 << bits) - 1
-    return (digest * digest) << low | digest
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 2
 
 
 def compare(comm: Comm, settings: Sequence[Setting], what: str) -> None:
@@ -188,15 +178,13 @@ def compare(comm: Comm, settings: Sequence[Setting], what: str) -> None:
     the same on every rank; else raises the same SettingsMismatchError on every rank, naming
     each setting that differs, its values and the ranks holding each.
 
-    One MPI all-reduce (a sum) when they agree: each rank adds its digest d and d*d, side by
-    side in one int64. The sums equal size*d and size*d*d on a rank only when every rank has
-    d (the ranks' digests then have no spread), so every rank sees a difference or none does.
-    d has 20 bits at 2 ranks, 19 at 4, 14 at 1024: settings that differ are missed when
-    their digests collide, with odds of 1 in 2**bits. Only when they differ does an
-    all-gather of the settings follow, to name them."""
-    mine = _packed(settings, comm.size)
-    total = comm.allreduce(mine, "sum", what)
-    if total == comm.size * mine:
+    Two MPI all-reduces of an int (the maximum and the minimum of each rank's 62-bit digest of
+    its settings: equal only when every rank has the same digest), a few microseconds each;
+    every rank sees the same two results, so every rank sees a difference or none does.
+    Settings that differ are missed only when their digests collide (odds of 1 in 2**62).
+    Only when they differ does an all-gather of the settings follow, to name them."""
+    mine = _digest(settings)
+    if comm.allreduce(mine, "max", what) == comm.allreduce(mine, "min", what):
         return
     error = mismatch(comm.allgather(list(settings), what), what)
     if error is not None:  # always: equal settings have equal digests
