@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpoint, distributed, preemption
 from .checkpoint import accelerate_layout, solo
 from .checkpoint.directories import agree_directory
+from .checkpoint.format import CheckpointError
 from .checkpoint.safetensors_out import save_safetensors, warn_untied
 from .checkpoint.safetensors_rows import save_rows
 from .checkpoint.training_state import model_state
@@ -74,6 +75,7 @@ class _Host(Protocol):
     def _checkpoint_objects(
         self, models: list[torch.nn.Module], gradients: bool, loading: bool = ...
     ) -> checkpoint.TrainingState: ...
+    def _holds_sharded_model(self) -> bool: ...
     def save_state(
         self, output_dir: str | None = ..., safe_serialization: bool = ..., *,
         async_save: bool = ..., **save_model_func_kwargs: Any,
@@ -260,6 +262,16 @@ class CheckpointMethods:
         comm = self._partial.comm
         config = self.project_configuration
         who = solo.who_saves(comm, "save_state", output_dir)
+        if who != solo.COLLECTIVE and self._holds_sharded_model():
+            raise CheckpointError(
+                (f"rank(s) {[r for r in range(comm.size) if r != comm.rank]} did not join the "
+                 f"save: only rank {comm.rank} is saving" if who == solo.ALONE else
+                 f"rank {comm.rank} came to save_state after another rank began it alone")
+                + ": a sharded (FSDP) checkpoint holds the rows each rank owns, so every rank "
+                "saves its own",
+                "call save_state on every rank (not under `if accelerator.is_main_process:`); "
+                "it writes each file once.",
+            )
         if who == solo.OTHERS:  # another rank wrote it alone
             if config.automatic_checkpoint_naming:
                 config.iteration += 1
@@ -299,6 +311,14 @@ class CheckpointMethods:
             # spans every rank
             async_save=async_save and comm is self._partial.comm,
         )
+
+    def _holds_sharded_model(self: _Host) -> bool:
+        """A prepared model is fully sharded (its checkpoint needs every rank's rows)."""
+        if self.state.fsdp_plugin is None:
+            return False
+        from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
+
+        return any(fsdp.fsdp_module(self.unwrap_model(m)) is not None for m in self._models)
 
     def load_state(
         self: _Host,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import time
 import warnings
 
 import numpy as np
@@ -151,8 +152,11 @@ def test_another_dtype_is_converted_as_on_the_hdf5_path(comm, mpi_tmp_path):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_an_fsdp_save_by_one_rank_alone_is_refused_before_writing(comm, mpi_tmp_path):
+def test_an_fsdp_save_by_one_rank_alone_is_refused_before_writing(
+        comm, mpi_tmp_path, monkeypatch):
     acc, model, opt, sched = _trained("plain", 1, seed=1, steps=1)
+    # a save pre-hook: the refusal comes before it could create the directory
+    acc.register_save_state_pre_hook(lambda models, weights, directory: None)
     target = mpi_tmp_path / "ckpt"
     others = ", ".join(map(str, range(1, comm.size)))
     if acc.is_main_process:  # Accelerate's idiom, which a sharded checkpoint cannot follow
@@ -160,6 +164,17 @@ def test_an_fsdp_save_by_one_rank_alone_is_refused_before_writing(comm, mpi_tmp_
             acc.save_state(str(target))
     acc.wait_for_everyone()
     assert os.listdir(mpi_tmp_path) == []  # not even the directory
+    # the others come late, after rank 0 began alone: they are refused too, not let go
+    monkeypatch.setenv("MPACCEL_SOLO_SAVE_WAIT", "0.2")
+    if acc.is_main_process:
+        with pytest.raises(CheckpointError, match=r"did not join"):
+            acc.save_state(str(target))
+    else:
+        time.sleep(1.0)
+        with pytest.raises(CheckpointError, match=r"after another rank began it alone"):
+            acc.save_state(str(target))
+    acc.wait_for_everyone()
+    assert os.listdir(mpi_tmp_path) == []
 
 
 def test_an_io_error_after_the_checks_gives_back_what_it_can_and_says_what_not(
