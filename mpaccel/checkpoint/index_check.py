@@ -44,13 +44,17 @@ def _parse_constant(name: str) -> float:
     return float(name)
 
 
-def decode_index(data: bytes | bytearray, path: str) -> Any:
-    """The JSON document in `data` (the whole file, already fed through an IndexScanner), not
-    yet checked: CheckpointIndex.from_json checks it. Call it under no_collection()."""
+def decode_text(data: bytes | bytearray, path: str) -> str:
+    """The text of an index's bytes (UTF-8)."""
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{path!r} is not UTF-8 text: {exc}", _HINT) from None
+
+
+def decode_index(text: str, path: str) -> Any:
+    """The JSON document in `text` (the whole file, already fed through an IndexScanner), not
+    yet checked: CheckpointIndex.from_json checks it. Call it under no_collection()."""
     try:
         return json.loads(text, parse_constant=_parse_constant)
     except json.JSONDecodeError as exc:

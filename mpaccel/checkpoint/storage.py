@@ -47,6 +47,7 @@ from .format import (
     to_numpy,
 )
 from .index import CheckpointIndex, RankPart, TensorEntry
+from .index_scan import scan
 
 
 def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes: int | None):
@@ -413,10 +414,23 @@ def write_index(directory: str, stem: str, index: CheckpointIndex) -> None:
     temp = f"{final}.tmp-{index.save_id}"
     document = index.to_json()
     document[INDEX_DIGEST] = index_digest(document)
+    # non-finite floats are tagged
+    data = json.dumps(document, indent=1, allow_nan=False).encode()
+    try:
+        scan(data, final)  # what saves loads: the readers' bounds, before anything is written
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"cannot save: {exc.message}",
+            "the state holds more small values than a checkpoint index may (a long list of "
+            "short strings or of small dicts in a registered object): store them as an array, "
+            "or in a file of their own.",
+        ) from None
     watch = rawio.current_watch()
     try:
-        with open(temp, "w") as f, watch.doing(f"writing {temp!r}"):
-            json.dump(document, f, indent=1, allow_nan=False)  # non-finite floats are tagged
+        # a new file (O_EXCL), never one a link there points to
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with open(os.open(temp, flags, 0o644), "wb") as f, watch.doing(f"writing {temp!r}"):
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         watch.check()  # a commit given up on (see rawio.within) must not happen behind it
