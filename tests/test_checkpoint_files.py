@@ -1,15 +1,26 @@
 """checkpoint/files.py, the one way checkpoints' files are opened, written and removed: never
-through a link, never blocking on a FIFO or a device, sizes bounded."""
+through a link, never blocking on a FIFO or a device, sizes bounded; and the saver, which uses
+it, touches nothing outside the checkpoint directory (issue 27, items 1 and 2)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
+import torch
+from test_checkpoint_sharded import build
 
-from mpaccel.checkpoint import CheckpointError
+from mpaccel.checkpoint import (
+    CheckpointCollectiveError,
+    CheckpointError,
+    TrainingState,
+    load_state,
+    save_state,
+)
 from mpaccel.checkpoint.files import (
     open_directory,
     read_bounded,
@@ -17,6 +28,7 @@ from mpaccel.checkpoint.files import (
     remove_tree,
     replace_file,
 )
+from mpaccel.checkpoint.format import INDEX_DIGEST, index_digest
 
 pytestmark = pytest.mark.mpi_timeout(300)
 
@@ -37,6 +49,20 @@ def _tree(root: Path) -> dict[str, str]:
             else:
                 out[path] = "other"
     return out
+
+
+def _rewrite(path: Path, change) -> None:
+    """Change the index at `path` and give it a matching checksum (a crafted index, not a
+    corrupted one: only the checks of its fields can stop it)."""
+    document = json.loads(path.read_text())
+    change(document)
+    document.pop(INDEX_DIGEST, None)
+    document[INDEX_DIGEST] = index_digest(document)
+    path.write_text(json.dumps(document, indent=1))
+
+
+def _sharded(seed: int) -> TrainingState:
+    return TrainingState(sharded={"model": build(seed)})
 
 
 # --- the API ----------------------------------------------------------------------------------
@@ -93,3 +119,71 @@ def test_writes_and_removals_never_go_through_a_link(tmp_path):
     assert remove_tree(str(tmp_path / "d"), "new") == "other"
     assert sorted(os.listdir(tmp_path / "d")) == ["new"]
     assert _tree(tmp_path / "outside") == before
+
+
+# --- the saver (items 1 and 2) ----------------------------------------------------------------
+
+
+def test_a_save_never_writes_where_a_crafted_index_points(group, mpi_tmp_path):
+    """Issue 27, item 1: a state index whose `metadata.sharded` is "/../../outside/x" (and a
+    sharded index of that save id, a `sharded.` directory to walk through) made the saver's
+    "keep the committed part aside" step write outside/x.index.json. The save is now refused
+    on every rank, as a load refuses that index, and nothing outside changes."""
+    ckpt, outside = mpi_tmp_path / "ckpt", mpi_tmp_path / "outside"
+    save_state(group, _sharded(0), str(ckpt))
+    if group.rank == 0:
+        crafted = "/../../outside/x"
+        _rewrite(ckpt / "state.index.json",
+                 lambda d: d["metadata"].__setitem__("sharded", crafted))
+        _rewrite(ckpt / "sharded.index.json", lambda d: d.__setitem__("save_id", crafted))
+        (ckpt / "sharded.").mkdir()
+        outside.mkdir()
+    group.barrier()
+    before = _tree(mpi_tmp_path)
+    with pytest.raises(CheckpointCollectiveError, match=r"metadata\['sharded'\] is '/\.\./"):
+        save_state(group, _sharded(1), str(ckpt))
+    group.barrier()
+    assert _tree(mpi_tmp_path) == before  # nothing created or removed, inside or outside
+    assert os.listdir(outside) == []
+    group.barrier()
+
+
+@pytest.mark.parametrize("kind", ["link to /dev/zero", "FIFO"])
+def test_a_save_over_an_index_that_is_no_regular_file_neither_grows_nor_blocks(
+        group, mpi_tmp_path, kind):
+    """Issue 27, item 2: with state.index.json a link to /dev/zero, rank 0 grew past 3 GB in
+    6 s; a FIFO blocked the save for the whole collective timeout. The saver now opens it as
+    the readers do: refused at once, unread, on every rank; the committed checkpoint stays
+    loadable once the index is put back."""
+    ckpt = mpi_tmp_path / "ckpt"
+    save_state(group, _sharded(0), str(ckpt))
+    index = ckpt / "state.index.json"
+    if group.rank == 0:
+        os.rename(index, ckpt / "kept")
+        if kind == "FIFO":
+            os.mkfifo(index)
+        else:
+            os.symlink("/dev/zero", index)
+    group.barrier()
+    before = _tree(mpi_tmp_path)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCollectiveError,
+                           match="a symbolic link" if kind != "FIFO" else "a FIFO"):
+            save_state(group, _sharded(1), str(ckpt))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"the save took {peak >> 20} MiB"
+    group.barrier()
+    assert _tree(mpi_tmp_path) == before
+    group.barrier()
+    if group.rank == 0:
+        os.remove(index)
+        os.rename(ckpt / "kept", index)
+    group.barrier()
+    objects = _sharded(2)
+    load_state(group, objects, str(ckpt))
+    expected = _sharded(0).sharded["model"].state_dict()
+    for key, value in objects.sharded["model"].state_dict().items():
+        assert torch.equal(value.full_tensor(), expected[key].full_tensor()), key

@@ -101,6 +101,11 @@ def check_index(index: Any, path: str) -> None:
     world = c.integer(index, (), "world_size", low=1)
     metadata = c.get(index, (), "metadata", dict, optional=True) or {}
     kind = c.get(metadata, ("metadata",), "kind", str, optional=True)
+    part = c.get(metadata, ("metadata",), "sharded", str, optional=True)
+    if part is not None and not plain_name(f"sharded.{part}.index.json"):
+        # a save id: the saver and the loader make file names of it
+        raise c.fail(("metadata", "sharded"), f"is {show(part)}: expected a save id (a plain "
+                     "file name: no directory part)")
     c.integer(metadata, ("metadata",), "iteration", optional=True)
     sizes = c.get(index, (), "file_sizes", dict, optional=True) or {}
     for name in sizes:
