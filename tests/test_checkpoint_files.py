@@ -1,6 +1,6 @@
 """checkpoint/files.py, the one way checkpoints' files are opened, written and removed: never
-through a link, never blocking on a FIFO or a device, sizes bounded; and the saver, which uses
-it, touches nothing outside the checkpoint directory (issue 27, items 1 and 2)."""
+through a link, never blocking on a FIFO or a device, sizes bounded; and the saver and rotation,
+which use it, touch nothing outside the checkpoint directory (issue 27, items 1, 2 and 4)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import hashlib
 import json
 import os
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from test_checkpoint_sharded import build
 
+from mpaccel import PartialState
 from mpaccel.checkpoint import (
     CheckpointCollectiveError,
     CheckpointError,
@@ -29,6 +31,9 @@ from mpaccel.checkpoint.files import (
     replace_file,
 )
 from mpaccel.checkpoint.format import INDEX_DIGEST, index_digest
+from mpaccel.checkpoint.naming import rotate
+from mpaccel.errors import MpaccelRuntimeWarning
+from mpaccel.utils import ProjectConfiguration
 
 pytestmark = pytest.mark.mpi_timeout(300)
 
@@ -187,3 +192,55 @@ def test_a_save_over_an_index_that_is_no_regular_file_neither_grows_nor_blocks(
     expected = _sharded(0).sharded["model"].state_dict()
     for key, value in objects.sharded["model"].state_dict().items():
         assert torch.equal(value.full_tensor(), expected[key].full_tensor()), key
+
+
+# --- rotation (item 4) ------------------------------------------------------------------------
+
+
+def _plain(seed: int) -> TrainingState:
+    torch.manual_seed(seed)
+    return TrainingState(models={"model_0": torch.nn.Linear(3, 2)})
+
+
+def test_rotation_unlinks_a_linked_checkpoint_and_leaves_its_target_alone(mpi_tmp_path):
+    """Issue 27, item 5: with checkpoints/checkpoint_0 a link to a checkpoint outside the
+    project and total_limit=2, rotation removed the outside checkpoint's state.index.json
+    (its commit). Now the link is unlinked, with a warning, and the outside checkpoint is
+    untouched and loads."""
+    comm = PartialState().comm
+    outside, project = mpi_tmp_path / "outside", mpi_tmp_path / "project"
+    save_state(comm, _plain(0), str(outside / "precious"))
+    if comm.rank == 0:
+        (project / "checkpoints").mkdir(parents=True)
+        os.symlink(outside / "precious", project / "checkpoints" / "checkpoint_0")
+    comm.barrier()
+    before = _tree(outside)
+    config = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True,
+                                  total_limit=2, iteration=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for seed in (1, 2):
+            save_state(comm, _plain(seed), None, project=config)
+    assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
+    assert _tree(outside) == before
+    if comm.rank == 0:  # rotation runs there
+        assert any(issubclass(w.category, MpaccelRuntimeWarning)
+                   and "is a symbolic link" in str(w.message) for w in seen), seen
+    objects = _plain(3)
+    load_state(comm, objects, str(outside / "precious"))
+    assert torch.equal(objects.models["model_0"].weight, _plain(0).models["model_0"].weight)
+    comm.barrier()
+
+
+@pytest.mark.mpi(size=1)  # rotate() runs on one rank
+def test_rotation_does_not_delete_through_a_linked_checkpoints_directory(tmp_path):
+    outside = tmp_path / "outside"
+    for n in range(3):
+        (outside / f"checkpoint_{n}").mkdir(parents=True)
+        (outside / f"checkpoint_{n}" / "state.index.json").write_text("{}")
+    (tmp_path / "project").mkdir()
+    os.symlink(outside, tmp_path / "project" / "checkpoints")
+    before = _tree(outside)
+    with pytest.warns(MpaccelRuntimeWarning, match="is a symbolic link"):
+        assert rotate(str(tmp_path / "project"), 1) == []
+    assert _tree(outside) == before
