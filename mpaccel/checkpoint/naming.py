@@ -52,12 +52,8 @@ def rotate(project_dir: str, total_limit: int | None, room: bool = False) -> lis
     alone), a `checkpoints` that is one is not rotated; each with a warning."""
     root = os.path.join(project_dir, "checkpoints")
     if os.path.islink(root):
-        warnings.warn(
-            f"{root!r} is a symbolic link: old checkpoints are not deleted through it (rotation "
-            "removes nothing outside the project directory)",
-            MpaccelRuntimeWarning,
-            stacklevel=2,
-        )
+        _warn(f"{root!r} is a symbolic link: old checkpoints are not deleted through it "
+              "(rotation removes nothing outside the project directory)")
         return []
     found = checkpoints_in(project_dir)
     complete = [entry for entry in found if entry[2]]
@@ -80,17 +76,18 @@ def rotate(project_dir: str, total_limit: int | None, room: bool = False) -> lis
             + ", ".join(os.path.basename(path) for path in old)
         )
     for path in [*debris, *old]:  # oldest first
-        if os.path.islink(path):
-            warnings.warn(
-                f"{path!r} is a symbolic link (to {os.readlink(path)!r}): rotation unlinks it "
-                "and leaves the checkpoint it points to alone",
-                MpaccelRuntimeWarning,
-                stacklevel=2,
-            )
-        if delete_checkpoint(path, STATE_STEM) == "other":
-            warnings.warn(f"{path!r} is not a directory: rotation left it alone",
-                          MpaccelRuntimeWarning, stacklevel=2)
+        target = os.readlink(path) if os.path.islink(path) else None
+        what = delete_checkpoint(path, STATE_STEM)
+        if what == "link":
+            _warn(f"{path!r} is a symbolic link (to {target!r}): rotation unlinked it and left "
+                  "the checkpoint it points to alone")
+        elif what == "other":
+            _warn(f"{path!r} is not a directory: rotation left it alone")
     return [*debris, *old]
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, MpaccelRuntimeWarning, stacklevel=3)
 
 
 def rotate_together(
