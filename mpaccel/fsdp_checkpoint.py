@@ -9,13 +9,13 @@ merge_fsdp_weights are collective."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from typing import Any
 
 import torch
 
 from .checkpoint import CheckpointError
+from .checkpoint.files import remove_tree
 from .checkpoint.sharded import save_sharded
 from .checkpoint.sharded_read import load_sharded, read_full
 from .partial_state import PartialState
@@ -126,6 +126,6 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
     os.makedirs(output_path, exist_ok=True)
     path = os.path.join(output_path, "model.safetensors")
     save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
-    if remove_checkpoint_dir:
-        shutil.rmtree(directory)
+    if remove_checkpoint_dir:  # never through a link: a link goes, its target stays
+        remove_tree(*os.path.split(os.path.abspath(directory)))
     return path

@@ -4,8 +4,10 @@ indexes in from_json."""
 
 from __future__ import annotations
 
+import gc
 import json
 import pickle
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -123,3 +125,136 @@ def test_entries_pickle_as_themselves():
     entries = {"a/w": TensorEntry("f.h5", "float32", (2, 3), 24, "0" * 16, 4096),
                "a/e": TensorEntry("f.h5", "float32", (0,), 0, "1" * 16, None)}
     assert pickle.loads(pickle.dumps(entries)) == entries
+
+
+class _Listed:
+    """A Stateful whose state is a list of small values (what a registered object may hold)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def state_dict(self):
+        return {"values": self.values}
+
+    def load_state_dict(self, state):
+        self.values = state["values"]
+
+
+def _peak(work) -> tuple[int, BaseException | None]:
+    """(peak bytes Python allocated while `work` ran (tracemalloc), what it raised)."""
+    gc.collect()
+    tracemalloc.start()
+    error = None
+    try:
+        work()
+    except Exception as exc:  # the caller checks it
+        error = exc
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak, error
+
+
+def _objects(seed: int):
+    from mpaccel.checkpoint import TrainingState
+
+    torch.manual_seed(seed)
+    return TrainingState(models={"model_0": torch.nn.Linear(4, 3)})
+
+
+def test_an_index_padded_with_empty_dicts_costs_at_most_10x_its_size(mpi_tmp_path, capsys):
+    """Issue 27, item 6: an index padded to tens of MB with `{}` items under `metadata` (an
+    unknown field, allowed) cost 26-28x its size in `mpaccel ckpt ls` and `load_state`. Now
+    it is refused before it is parsed: listing it and loading it (every rank) take at most
+    10x its size, and the model is unchanged."""
+    from mpaccel.checkpoint import CheckpointCollectiveError, load_state, save_state
+    from mpaccel.cli import main
+
+    comm = PartialState().comm
+    directory = save_state(comm, _objects(0), str(mpi_tmp_path / "ckpt"))
+    path = mpi_tmp_path / "ckpt" / "state.index.json"
+    comm.barrier()
+    if comm.rank == 0:
+        document = json.loads(path.read_text())
+        document["metadata"]["pad"] = "PAD"
+        pad = "[" + ",".join(["{}"] * (8 << 20)) + "]"  # 24 MiB
+        path.write_text(json.dumps(document).replace('"PAD"', pad))
+        del pad
+    comm.barrier()
+    size = path.stat().st_size
+    assert size > 24 << 20
+
+    # (its checksum no longer matches: it is refused before that is looked at)
+    peak, _ = _peak(lambda: main(["ckpt", "ls", directory]))
+    assert peak <= 10 * size, f"mpaccel ckpt ls took {peak / size:.1f}x its size"
+    assert "once parsed" in capsys.readouterr().err
+
+    objects = _objects(1)
+    before = {k: v.clone() for k, v in objects.models["model_0"].state_dict().items()}
+    peak, error = _peak(lambda: load_state(comm, objects, directory))
+    assert peak <= 10 * size, f"load_state took {peak / size:.1f}x the index's size"
+    assert isinstance(error, CheckpointCollectiveError) and "once parsed" in str(error), error
+    for key, value in objects.models["model_0"].state_dict().items():
+        assert torch.equal(value, before[key]), key
+    comm.barrier()
+
+
+_DENSE = {  # JSON values of one kind, each about as costly per byte as JSON allows
+    "nested lists": lambda i: "[[[]]]",
+    "unique keys and strings": lambda i: f'"{i:x}":"{i:x}"',
+}
+
+
+@pytest.mark.mpi(size=1)  # the same work on every rank would prove nothing more
+@pytest.mark.parametrize("kind", list(_DENSE))
+def test_the_densest_index_the_bound_lets_through_costs_at_most_10x_its_size(tmp_path, kind):
+    """An index padded under `metadata` with the values that cost the most memory per byte,
+    spaced out just enough to pass the bound (index_scan.MAX_VALUE_COST): opening it (read,
+    parse, schema, checksum, typed index) takes at most 10x its size."""
+    from mpaccel.checkpoint import index_scan
+    from mpaccel.checkpoint.format import index_digest
+
+    write_checkpoint(PartialState().comm, str(tmp_path / "d"), "state", _state(),
+                     metadata={"kind": "model"})
+    path = tmp_path / "d" / "state.index.json"
+    make = _DENSE[kind]
+    count = 60_000
+    items = [make(i) for i in range(count)]
+    opened, closed = ("{", "}") if ":" in items[0] and not items[0].startswith("{") else "[]"
+    sample = opened + ",".join(items) + closed
+    scanner = index_scan.IndexScanner("sample")
+    scanner.feed(sample.encode())
+    strings = scanner.quotes // 2 - scanner.keys
+    cost = (scanner.cost + index_scan.ENTRY_COST * scanner.keys
+            + index_scan.STRING_COST * strings)
+    # blanks after each item, so that the whole costs just under the bound
+    blanks = max(0, -(-cost // (index_scan.MAX_VALUE_COST * count)) - len(sample) // count)
+    # (FREE_COST lets 1 MiB more through, about what the rest of the index leaves unused)
+    pad = opened + ("," + " " * blanks).join(items) + closed
+    document = json.loads(path.read_text())
+    document.pop(INDEX_DIGEST)
+    document["metadata"]["pad"] = json.loads(pad)
+    document[INDEX_DIGEST] = index_digest(document)
+    text = json.dumps(document)
+    path.write_text(text.replace(json.dumps(document["metadata"]["pad"]), pad))
+    del document, pad, sample, items
+    size = path.stat().st_size
+    assert size > 1 << 20
+
+    peak, error = _peak(lambda: CheckpointReader(str(tmp_path / "d"), "state").close())
+    assert error is None, error
+    assert peak <= 10 * size, f"opening the index took {peak / size:.1f}x its size"
+
+
+def test_a_save_whose_index_the_readers_would_refuse_is_refused(mpi_tmp_path):
+    """What saves loads: a state whose index would break the readers' memory bound (a
+    registered object holding many small dicts) is refused by the save, which commits
+    nothing."""
+    from mpaccel.checkpoint import CheckpointCollectiveError, TrainingState, save_state
+
+    comm = PartialState().comm
+    objects = TrainingState(shared={"custom_0": _Listed([{} for _ in range(100_000)])})
+    with pytest.raises(CheckpointCollectiveError, match=r"cannot save: .* once parsed"):
+        save_state(comm, objects, str(mpi_tmp_path / "dense"))
+    assert not (mpi_tmp_path / "dense" / "state.index.json").exists()
+    comm.barrier()

@@ -28,9 +28,9 @@ from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .api import MODEL_LOAD_OPTIONS
+from .files import descriptor_path, open_directory, open_regular
 from .format import CheckpointCollectiveError, CheckpointError
 from .rng_state import checked_rng_state, set_rng_state
-from .shard_check import DIRECTORY_FLAGS, descriptor_path, open_regular
 from .stateful import TrainingState
 from .training_state import Rollback, load_into
 
@@ -139,8 +139,8 @@ def load_accelerate_state(
 @contextmanager
 def _opened(directory: str) -> Iterator[int]:
     try:
-        fd = os.open(directory, DIRECTORY_FLAGS)
-    except OSError as exc:
+        fd = open_directory(directory)
+    except FileNotFoundError as exc:
         raise CheckpointError(f"cannot open checkpoint directory {directory!r}: {exc}") from exc
     try:
         yield fd

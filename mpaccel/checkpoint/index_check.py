@@ -44,13 +44,17 @@ def _parse_constant(name: str) -> float:
     return float(name)
 
 
-def decode_index(data: bytes | bytearray, path: str) -> Any:
-    """The JSON document in `data` (the whole file, already fed through an IndexScanner), not
-    yet checked: CheckpointIndex.from_json checks it. Call it under no_collection()."""
+def decode_text(data: bytes | bytearray, path: str) -> str:
+    """The text of an index's bytes (UTF-8)."""
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{path!r} is not UTF-8 text: {exc}", _HINT) from None
+
+
+def decode_index(text: str, path: str) -> Any:
+    """The JSON document in `text` (the whole file, already fed through an IndexScanner), not
+    yet checked: CheckpointIndex.from_json checks it. Call it under no_collection()."""
     try:
         return json.loads(text, parse_constant=_parse_constant)
     except json.JSONDecodeError as exc:
@@ -97,6 +101,11 @@ def check_index(index: Any, path: str) -> None:
     world = c.integer(index, (), "world_size", low=1)
     metadata = c.get(index, (), "metadata", dict, optional=True) or {}
     kind = c.get(metadata, ("metadata",), "kind", str, optional=True)
+    part = c.get(metadata, ("metadata",), "sharded", str, optional=True)
+    if part is not None and not plain_name(f"sharded.{part}.index.json"):
+        # a save id: the saver and the loader make file names of it
+        raise c.fail(("metadata", "sharded"), f"is {show(part)}: expected a save id (a plain "
+                     "file name: no directory part)")
     c.integer(metadata, ("metadata",), "iteration", optional=True)
     sizes = c.get(index, (), "file_sizes", dict, optional=True) or {}
     for name in sizes:

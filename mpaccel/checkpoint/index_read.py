@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 
+from .files import read_regular
 from .format import CheckpointError
 from .index import CheckpointIndex
-from .index_check import decode_index, no_collection
-from .index_scan import MAX_INDEX_BYTES, IndexScanner
-from .shard_check import open_regular
+from .index_check import decode_index, decode_text, no_collection
+from .index_scan import MAX_INDEX_BYTES, scan
 
 
 def index_path(directory: str, stem: str) -> str:
@@ -20,36 +20,31 @@ def index_path(directory: str, stem: str) -> str:
 def read_index(directory_fd: int, directory: str, stem: str) -> CheckpointIndex:
     """Not collective. The index `stem`.index.json of the checkpoint `directory` (open as
     `directory_fd`): a regular file of bounded size, read without following links and without
-    blocking, nested and sized within bounds, of the index's schema, and matching its checksum
-    (indexes of earlier versions have none)."""
-    name = f"{stem}.index.json"
+    blocking, nested, sized and dense within bounds, of the index's schema, and matching its
+    checksum (indexes of earlier versions have none)."""
+    return parse_index(read_index_text(directory_fd, directory, stem), index_path(directory, stem))
+
+
+def read_index_text(directory_fd: int, directory: str, stem: str) -> str:
+    """Not collective. The text of `stem`.index.json, read through files.read_regular (at most
+    MAX_INDEX_BYTES) and the bounds of index_scan.py, not yet parsed (parse_index)."""
     path = index_path(directory, stem)
     try:
-        fd = open_regular(directory_fd, directory, name)
+        data = read_regular(directory_fd, directory, f"{stem}.index.json", MAX_INDEX_BYTES,
+                            "an index")
     except FileNotFoundError:
         raise no_index(directory, stem) from None
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_INDEX_BYTES:
-            raise CheckpointError(
-                f"{path!r} holds {size} bytes, more than an index may ({MAX_INDEX_BYTES})",
-                "the index was damaged or crafted; load another checkpoint.",
-            )
-        scanner, data = IndexScanner(path), bytearray()
-        while True:
-            chunk = os.read(fd, 4 << 20)
-            if not chunk:
-                break
-            if len(data) + len(chunk) > MAX_INDEX_BYTES:  # it grew while being read
-                raise CheckpointError(f"{path!r} holds more than {MAX_INDEX_BYTES} bytes")
-            scanner.feed(chunk)
-            data += chunk
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path!r}: {exc}") from exc
-    finally:
-        os.close(fd)
+    scan(data, path)
+    text = decode_text(data, path)
+    data.clear()  # not kept while json.loads builds the index: its memory is bounded by that
+    return text
+
+
+def parse_index(text: str, path: str) -> CheckpointIndex:
+    """Not collective. The index in `text` (read_index_text: scanned) of the file `path`,
+    parsed and checked (CheckpointIndex.from_json)."""
     with no_collection():
-        return CheckpointIndex.from_json(decode_index(data, path), path)
+        return CheckpointIndex.from_json(decode_index(text, path), path)
 
 
 def no_index(directory: str, stem: str) -> CheckpointError:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 from ..comm import Comm, agreement
 from ..config import ProjectConfiguration
+from ..errors import MpaccelRuntimeWarning
 from ..logging import get_logger
 from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError
@@ -45,7 +47,14 @@ def rotate(project_dir: str, total_limit: int | None, room: bool = False) -> lis
     """Keep the `total_limit` newest complete checkpoints, or one fewer with `room` (before a
     save, to make room for it, as Accelerate does), but never fewer than one: the newest
     complete checkpoint is never removed. Also drops debris (interrupted saves, interrupted
-    deletions) older than the newest complete checkpoint. Returns the paths deleted."""
+    deletions) older than the newest complete checkpoint. Returns the paths deleted. Nothing
+    is deleted through a link: a `checkpoint_N` that is one is unlinked (its target left
+    alone), a `checkpoints` that is one is not rotated; each with a warning."""
+    root = os.path.join(project_dir, "checkpoints")
+    if os.path.islink(root):
+        _warn(f"{root!r} is a symbolic link: old checkpoints are not deleted through it "
+              "(rotation removes nothing outside the project directory)")
+        return []
     found = checkpoints_in(project_dir)
     complete = [entry for entry in found if entry[2]]
     if not complete:
@@ -67,8 +76,18 @@ def rotate(project_dir: str, total_limit: int | None, room: bool = False) -> lis
             + ", ".join(os.path.basename(path) for path in old)
         )
     for path in [*debris, *old]:  # oldest first
-        delete_checkpoint(path, STATE_STEM)
+        target = os.readlink(path) if os.path.islink(path) else None
+        what = delete_checkpoint(path, STATE_STEM)
+        if what == "link":
+            _warn(f"{path!r} is a symbolic link (to {target!r}): rotation unlinked it and left "
+                  "the checkpoint it points to alone")
+        elif what == "other":
+            _warn(f"{path!r} is not a directory: rotation left it alone")
     return [*debris, *old]
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, MpaccelRuntimeWarning, stacklevel=3)
 
 
 def rotate_together(

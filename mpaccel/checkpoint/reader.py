@@ -14,6 +14,7 @@ import numpy as np
 import xxhash
 
 from . import rawio
+from .files import descriptor_path, open_directory, open_regular
 from .format import (
     CheckpointError,
     checksum,
@@ -27,7 +28,7 @@ from .index import TensorEntry
 from .index_fields import plain_name
 from .index_read import read_index
 from .read_plan import Deferred, checksum_owners, claim, writable_view
-from .shard_check import DIRECTORY_FLAGS, check_file, descriptor_path, open_regular
+from .shard_check import check_file
 
 __all__ = ["CheckpointReader", "Deferred", "checksum_owners"]
 
@@ -109,8 +110,8 @@ class CheckpointReader:
         the files in it whatever its path comes to name meanwhile."""
         if self._dir_fd < 0:
             try:
-                self._dir_fd = os.open(self.directory, DIRECTORY_FLAGS)
-            except OSError as exc:
+                self._dir_fd = open_directory(self.directory)
+            except FileNotFoundError as exc:
                 raise CheckpointError(f"cannot open {self.directory!r}: {exc}") from exc
         return self._dir_fd
 

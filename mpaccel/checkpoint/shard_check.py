@@ -1,12 +1,9 @@
-"""Opening checkpoint files without leaving their directory or blocking, and checking an HDF5
-shard's own layout against the index before any of its data is read (reader.py calls these)."""
+"""Checking an HDF5 shard's own layout against the index before any of its data is read
+(reader.py calls this once files.py opened the shard)."""
 
 from __future__ import annotations
 
-import errno
 import math
-import os
-import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,85 +12,8 @@ import numpy as np
 
 from .format import CheckpointError, _numpy_storable, storage_dtype
 from .index import TensorEntry
-from .index_fields import plain_name
 
-# O_NONBLOCK: opening a FIFO for reading would wait for a writer forever. On a regular file it
-# changes nothing but one thing: a lease another process holds (a file server's) makes the open
-# fail with EWOULDBLOCK instead of waiting for the lease to be broken; see open_regular.
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-DIRECTORY_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _DAMAGED = "the file was damaged or crafted; restore it from a copy, or load another checkpoint."
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def _refuse(path: str, mode: int) -> CheckpointError:
-    kind = _kind(mode)
-    hint = "checkpoint files are read only as regular files of the checkpoint directory."
-    if stat.S_ISLNK(mode):
-        hint = ("links are not followed (a checkpoint must not read outside its directory): "
-                "copy the file it points to into the directory.")
-    return CheckpointError(f"{path!r} is {kind}, not a regular file", hint)
-
-
-def open_regular(dir_fd: int, directory: str, name: str) -> int:
-    """A descriptor of `name` in the directory open as `dir_fd`, checked to be a regular file on
-    the directory's file system, opened without following a link and without blocking.
-
-    `name` must be a plain file name (no directory part). Its kind is looked at (lstat) before
-    it is opened, so a device is never opened, and again (fstat) once it is, in case it was
-    replaced meanwhile. FileNotFoundError where it does not exist."""
-    path = os.path.join(directory, name)
-    if not plain_name(name):
-        raise CheckpointError(f"{path!r}: {name!r} is not a plain file name", _DAMAGED)
-    try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            raise _refuse(path, mode)
-        try:
-            fd = os.open(name, _OPEN_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
-        except BlockingIOError:
-            # A regular file under another process's lease (a FIFO opens at once without a
-            # writer): wait for the kernel to break the lease, as any reader would. Collective
-            # loads run this under the I/O deadline (rawio.within), which ends a wait that
-            # never does.
-            fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # replaced by a link since the lstat
-            raise _refuse(path, stat.S_IFLNK) from exc
-        raise CheckpointError(f"cannot open checkpoint file {path!r}: {exc}") from exc
-    try:
-        found, home = os.fstat(fd), os.fstat(dir_fd)
-        if not stat.S_ISREG(found.st_mode):
-            raise _refuse(path, found.st_mode)
-        if found.st_dev != home.st_dev:
-            raise CheckpointError(
-                f"{path!r} lies on another file system than its directory (a mount)",
-                "checkpoint files are read only from the checkpoint directory's own file system.",
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def descriptor_path(fd: int) -> str:
-    """A path that opens the very file `fd` is open on (for HDF5, which opens by name)."""
-    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
 
 
 def check_file(

@@ -12,7 +12,6 @@ commits leaves the previous checkpoint loadable."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 from typing import Any
 
@@ -20,13 +19,14 @@ import torch
 
 from ..comm import Comm, agreement
 from . import rawio
+from .files import entry_exists, open_directory, replace_file
 from .format import CheckpointCollectiveError, CheckpointError
-from .index_read import index_path
+from .index_read import index_path, parse_index, read_index, read_index_text
 from .reader import CheckpointReader
 from .sharded import SHARDED_STEM, LocalState, check_joined, collect_local, write_local
 from .sharded_read import Plan, apply, differences, fill_plan, plan, read_plan
 from .stateful import TrainingState
-from .storage import check_same_on_every_rank, fsync_path
+from .storage import check_same_on_every_rank
 from .training_state import Rollback, check_optimizer, copy_of, load_into
 
 STATE_STEM = "state"
@@ -151,47 +151,58 @@ def kept_stem(save_id: str) -> str:
 
 def _committed_part(directory: str) -> str | None:
     """The save id of the sharded part that the committed state index of `directory` names
-    (None: no state index, or one without a sharded part)."""
+    (None: no state index, or one without a sharded part), read as a load reads it (files.py:
+    no link followed, no FIFO or device opened; the bounds and schema of the index, which
+    make that id a plain name)."""
     try:
-        with open(index_path(directory, STATE_STEM)) as f:
-            part = json.load(f).get("metadata", {}).get(SAVE_ID)
+        dir_fd = open_directory(directory)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, AttributeError) as exc:
+    try:
+        if not entry_exists(dir_fd, f"{STATE_STEM}.index.json"):
+            return None
+        part = read_index(dir_fd, directory, STATE_STEM).metadata.get(SAVE_ID)
+    except CheckpointError as exc:
         raise CheckpointError(
-            f"cannot read the checkpoint already in {directory!r} to save over it: {exc}",
+            f"cannot read the checkpoint already in {directory!r} to save over it: "
+            f"{exc.message}",
             "save into another directory, or delete this one first.",
         ) from exc
+    finally:
+        os.close(dir_fd)
     return part if isinstance(part, str) else None
 
 
 def _keep_aside(directory: str) -> str | None:
     """Rank 0, before a sharded part is saved into `directory`: if the checkpoint committed
-    there has a sharded part, copy its index to kept_stem(its id) (temp file, fsync, rename,
-    fsync of the directory), so that the new part's commit, which replaces
-    `sharded.index.json`, leaves that checkpoint loadable until the new state index replaces
-    it. Returns its save id, whose files the new commit keeps."""
+    there has a sharded part, copy its index to kept_stem(its id) (files.replace_file: a new
+    temp file, fsync, rename, fsync of the directory), so that the new part's commit, which
+    replaces `sharded.index.json`, leaves that checkpoint loadable until the new state index
+    replaces it. Returns its save id, whose files the new commit keeps. Every file is read
+    and written as files.py does, in `directory` only."""
     part = _committed_part(directory)
     if part is None:
         return None
-    source = index_path(directory, SHARDED_STEM)
-    target = index_path(directory, kept_stem(part))
-    if os.path.exists(target):  # kept by an earlier save that did not complete
-        return part
+    target = f"{kept_stem(part)}.index.json"
+    dir_fd = open_directory(directory)
     try:
-        with open(source, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return part  # nothing to keep: its load fails as it would have
-    if json.loads(data).get("save_id") != part:
-        return part  # not that part's index: leave it to the load to refuse
-    temp = f"{target}.partial"
-    with open(temp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, target)
-    fsync_path(directory)
+        if entry_exists(dir_fd, target):  # kept by an earlier save that did not complete
+            return part
+        if not entry_exists(dir_fd, f"{SHARDED_STEM}.index.json"):
+            return part  # nothing to keep: its load fails as it would have
+        try:
+            text = read_index_text(dir_fd, directory, SHARDED_STEM)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"cannot keep the sharded part of the checkpoint in {directory!r} aside to "
+                f"save over it: {exc.message}",
+                "save into another directory, or delete this one first.",
+            ) from exc
+        if parse_index(text, index_path(directory, SHARDED_STEM)).save_id != part:
+            return part  # not that part's index: leave it to the load to refuse
+        replace_file(dir_fd, directory, target, text.encode())
+    finally:
+        os.close(dir_fd)
     return part
 
 

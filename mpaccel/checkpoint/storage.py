@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
@@ -33,6 +32,7 @@ from ..comm import Comm, agreement
 from ..errors import MpaccelRuntimeWarning
 from . import rawio
 from .error_keeping_file import ErrorKeepingFile
+from .files import DIRECTORY_FLAGS, open_directory, remove_tree
 from .format import (
     FORMAT_NAME,
     INDEX_DIGEST,
@@ -47,6 +47,7 @@ from .format import (
     to_numpy,
 )
 from .index import CheckpointIndex, RankPart, TensorEntry
+from .index_scan import scan
 
 
 def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes: int | None):
@@ -413,10 +414,23 @@ def write_index(directory: str, stem: str, index: CheckpointIndex) -> None:
     temp = f"{final}.tmp-{index.save_id}"
     document = index.to_json()
     document[INDEX_DIGEST] = index_digest(document)
+    # non-finite floats are tagged
+    data = json.dumps(document, indent=1, allow_nan=False).encode()
+    try:
+        scan(data, final)  # what saves loads: the readers' bounds, before anything is written
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"cannot save: {exc.message}",
+            "the state holds more small values than a checkpoint index may (a long list of "
+            "short strings or of small dicts in a registered object): store them as an array, "
+            "or in a file of their own.",
+        ) from None
     watch = rawio.current_watch()
     try:
-        with open(temp, "w") as f, watch.doing(f"writing {temp!r}"):
-            json.dump(document, f, indent=1, allow_nan=False)  # non-finite floats are tagged
+        # a new file (O_EXCL), never one a link there points to
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with open(os.open(temp, flags, 0o644), "wb") as f, watch.doing(f"writing {temp!r}"):
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         watch.check()  # a commit given up on (see rawio.within) must not happen behind it
@@ -426,17 +440,30 @@ def write_index(directory: str, stem: str, index: CheckpointIndex) -> None:
         raise
 
 
-def delete_checkpoint(directory: str, stem: str) -> None:
+def delete_checkpoint(directory: str, stem: str) -> str:
     """Delete a checkpoint directory so that it is never taken for a complete one, however the
     process ends meanwhile: the commit is undone first (its index removed, the directory
-    synced), then the rest goes; leftovers are debris without an index."""
+    synced), then the rest goes; leftovers are debris without an index. Never through a link
+    (files.remove_tree): a `directory` that is a symbolic link is unlinked, its target left
+    alone. Returns what was there: "directory", "link", "missing" or "other" (left alone)."""
+    parent, name = os.path.split(os.path.abspath(directory))
+    parent_fd = open_directory(parent)
     try:
-        os.remove(os.path.join(directory, f"{stem}.index.json"))
-    except FileNotFoundError:
-        pass
-    else:
-        fsync_path(directory)
-    shutil.rmtree(directory, ignore_errors=True)
+        fd = os.open(name, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
+    except OSError:  # a link (ELOOP), not a directory, or gone: remove_tree tells them apart
+        fd = -1
+    finally:
+        os.close(parent_fd)
+    if fd >= 0:
+        try:
+            os.unlink(f"{stem}.index.json", dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        else:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return remove_tree(parent, name)
 
 
 def remove_stale(directory: str, stem: str, index: CheckpointIndex,
@@ -456,9 +483,7 @@ def remove_stale(directory: str, stem: str, index: CheckpointIndex,
     pattern = re.compile(
         rf"^{re.escape(stem)}(-[0-9a-f]{{12}}-.*\.h5(\.partial)?|\.index\.json\.tmp-[0-9a-f]{{12}})$"
     )
-    for name in os.listdir(directory):
-        if pattern.match(name) and name not in keep:
-            os.remove(os.path.join(directory, name))
+    _unlink_matching(directory, lambda name: bool(pattern.match(name)) and name not in keep)
 
 
 def remove_superseded(directory: str, stem: str, save_id: str) -> None:
@@ -467,6 +492,19 @@ def remove_superseded(directory: str, stem: str, save_id: str) -> None:
     its index kept aside as `<stem>.<save id>.index.json`)."""
     pattern = re.compile(rf"^{re.escape(stem)}(-[0-9a-f]{{12}}-.*\.h5(\.partial)?"
                          rf"|\.[0-9a-f]{{12}}\.index\.json(\.partial)?)$")
-    for name in os.listdir(directory):
-        if pattern.match(name) and save_id not in name:
-            os.remove(os.path.join(directory, name))
+    _unlink_matching(directory, lambda name: bool(pattern.match(name)) and save_id not in name)
+
+
+def _unlink_matching(directory: str, doomed: Callable[[str], bool]) -> None:
+    """Unlink the entries of `directory` whose name is `doomed`, relative to the directory
+    open (a link is unlinked, never followed; a directory of such a name is left alone)."""
+    dir_fd = open_directory(directory)
+    try:
+        for name in os.listdir(dir_fd):
+            if doomed(name):
+                try:
+                    os.unlink(name, dir_fd=dir_fd)
+                except (FileNotFoundError, IsADirectoryError):  # gone meanwhile; not ours
+                    pass
+    finally:
+        os.close(dir_fd)
