@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import os
 import uuid
@@ -335,11 +334,16 @@ class CommittedIndex(Mapping[str, Any]):
 
     def _read(self) -> dict[str, Any]:
         if self._index is None:
-            from .index_read import index_path
+            from .files import open_directory
+            from .index_check import decode_index
+            from .index_read import index_path, read_index_text
 
             path = index_path(self.directory, self.stem)
-            with open(path) as f:
-                index = json.load(f)
+            dir_fd = open_directory(self.directory)  # read as a load reads it (files.py)
+            try:
+                index = decode_index(read_index_text(dir_fd, self.directory, self.stem), path)
+            finally:
+                os.close(dir_fd)
             if index.get("save_id") != self.save_id:
                 raise CheckpointError(
                     f"{path!r} is the index of save {index.get('save_id')!r}, not of the save "
