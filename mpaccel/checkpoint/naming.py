@@ -3,6 +3,7 @@ finding the latest complete checkpoint, and rotation (total_limit)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -10,7 +11,6 @@ import warnings
 from ..comm import Comm, agreement
 from ..config import ProjectConfiguration
 from ..errors import MpaccelRuntimeWarning
-from ..logging import get_logger
 from . import rawio
 from .format import CheckpointCollectiveError, CheckpointError
 from .storage import delete_checkpoint
@@ -19,8 +19,10 @@ MODEL_STEM = "model"  # save_model: model.index.json
 STATE_STEM = "state"  # save_state: state.index.json (its presence makes a checkpoint complete)
 _CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)$")
 # Named, not __name__: rotation's messages have always come from "mpaccel.checkpoint", the
-# logger users (and tests) set the level of; moving the code here must not rename it.
-logger = get_logger("mpaccel.checkpoint")
+# logger users (and tests) set the level of; moving the code here must not rename it. A plain
+# logger, not the facade's get_logger (checkpoint/ sits below it): rotate() runs on rank 0
+# alone, and says so as Accelerate's adapter would ("[RANK 0] ").
+logger = logging.getLogger("mpaccel.checkpoint")
 
 
 def checkpoints_in(project_dir: str) -> list[tuple[int, str, bool]]:
@@ -67,12 +69,12 @@ def rotate(project_dir: str, total_limit: int | None, room: bool = False) -> lis
         old = [path for _, path, _ in complete[: max(0, len(complete) - keep)]]
     if debris:
         logger.info(
-            "Deleting what interrupted saves or deletions left (no index): "
+            "[RANK 0] Deleting what interrupted saves or deletions left (no index): "
             + ", ".join(os.path.basename(path) for path in debris)
         )
     if old:
         logger.info(
-            f"Deleting {len(old)} checkpoint(s) to keep total_limit={total_limit}: "
+            f"[RANK 0] Deleting {len(old)} checkpoint(s) to keep total_limit={total_limit}: "
             + ", ".join(os.path.basename(path) for path in old)
         )
     for path in [*debris, *old]:  # oldest first
