@@ -89,7 +89,8 @@ def test_init_process_group_kwargs(comm):
 
 def test_one_timeout_for_mpaccel_and_torch_distributed(comm, monkeypatch):
     """MPACCEL_TIMEOUT (or InitProcessGroupKwargs(timeout=), which wins) is the deadline of
-    mpaccel's collectives and of the torch.distributed process group alike."""
+    mpaccel's collectives and of the torch.distributed process group alike; without either,
+    mpaccel's default (1800 s) is handed to torch too (NCCL's own default is 10 min)."""
     from mpaccel import distributed
 
     given = []
@@ -111,7 +112,7 @@ def test_one_timeout_for_mpaccel_and_torch_distributed(comm, monkeypatch):
             monkeypatch.setenv(name, value)
         AcceleratorState._reset_state(True)
         state = PartialState(**InitProcessGroupKwargs(**kwargs).to_kwargs())
-        expected = timedelta(seconds=seconds) if seconds else None
+        expected = timedelta(seconds=seconds or 1800)
         assert given[-1] == expected, (env, kwargs)
         assert state.default_timeout == (seconds or 1800)
     AcceleratorState._reset_state(True)
