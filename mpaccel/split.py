@@ -75,12 +75,12 @@ def _pad(share: Any, last: Any, missing: int) -> Any:
 def _split_one(value: Any, bounds: tuple[int, int], padded: int, apply_padding: bool) -> Any:
     length = _length(value)
     start, end = bounds
-    if (
-        hasattr(value, "select")
-        and not isinstance(value, (list, tuple))
-        and not hasattr(value, "shape")
+    # datasets.Dataset and friends: rows by select(). A Dataset has a `shape` (rows, columns)
+    # too, and slicing it gives a dict of columns, so its column_names tell it from an array.
+    if hasattr(value, "select") and not isinstance(value, (list, tuple)) and (
+        hasattr(value, "column_names") or not hasattr(value, "shape")
     ):
-        rows = list(range(start, end))  # datasets.Dataset and friends
+        rows = list(range(start, end))
         if apply_padding and length:
             rows += [length - 1] * (padded - (end - start))
         return value.select(rows)

@@ -431,6 +431,19 @@ def test_split_padding_repeats_last_input(state, comm):
         assert mine["k"] == expected([1, 2, 3]) and list(mine["v"]) == expected(("x", "y", "z"))
 
 
+def test_split_a_datasets_dataset_by_rows(state, comm):
+    """A datasets.Dataset is split by rows (its select()), not sliced: slicing one gives a dict
+    of columns, and its `shape` is (rows, columns)."""
+    datasets = pytest.importorskip("datasets")
+    n, r = comm.size, comm.rank
+    data = datasets.Dataset.from_list([{"k": v} for v in range(2 * n + 1)])
+    start, end = share_bounds(len(data), r, n)
+    with state.split_between_processes(data) as mine:
+        assert isinstance(mine, datasets.Dataset) and list(mine["k"]) == list(range(start, end))
+    with state.split_between_processes(data, apply_padding=True) as mine:
+        assert len(mine) == -(-len(data) // n)
+
+
 def test_split_tensors_arrays_and_dicts(state, comm):
     n, r = comm.size, comm.rank
     tensor = torch.arange(10).reshape(5, 2)
