@@ -12,7 +12,11 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 MPIEXEC=$VENV/bin/mpiexec
-STAGE_TIMEOUT=${STAGE_TIMEOUT:-1200}
+# A stage past this many seconds is ended and fails the run: a deadlock fails fast. The size-1
+# pass took 848-867 s at the last measured landing and over 1200 s in this stop's fresh-clone
+# runs (on a machine also running other work; issue 27/28 closing note): 2400 keeps a slow but
+# healthy pass from failing CI while its cost is brought back down.
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-2400}
 # pytest-xdist workers for the size-1 pass (all but the Slurm tests), whose tests mostly wait
 # for the jobs they start (0: one process).
 SIZE1_WORKERS=${SIZE1_WORKERS:-2}
