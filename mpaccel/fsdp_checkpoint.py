@@ -18,7 +18,7 @@ from .checkpoint import CheckpointError
 from .checkpoint.files import remove_tree
 from .checkpoint.sharded import save_sharded
 from .checkpoint.sharded_read import load_sharded, read_full
-from .partial_state import PartialState
+from .state import PartialState
 
 
 def _model_dir(output_dir: str, index: int) -> str:
