@@ -276,7 +276,7 @@ class PartialState:
         return self.device
 
     def set_device(self) -> None:
-        """Make this process's device the current CUDA device (no-op on CPU)."""
+        """Not collective. Makes this process's device the current CUDA device (no-op on CPU)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -285,10 +285,15 @@ class PartialState:
     def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
         """Collective: every rank must call it. Returns once all ranks have arrived.
 
-        Runs over MPI on the host (no GPU sync). After `timeout` (default: the state's, 30 min
-        unless InitProcessGroupKwargs(timeout=) or MPACCEL_TIMEOUT say otherwise) it raises
-        CollectiveTimeoutError naming the ranks that never arrived. Signals are handled while
-        waiting.
+        Runs over MPI on the host (no GPU sync). Signals are handled while waiting.
+
+        Args:
+            timeout: how long to wait, in seconds or as a timedelta; None: the state's
+                (30 min unless InitProcessGroupKwargs(timeout=) or MPACCEL_TIMEOUT say
+                otherwise).
+
+        Raises:
+            CollectiveTimeoutError: after `timeout`, naming the ranks that never arrived.
         """
         limit = as_timedelta(timeout)
         self.comm.barrier("wait_for_everyone", None if limit is None else limit.total_seconds())
@@ -324,12 +329,28 @@ class PartialState:
 
     @contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Not collective. Yields this process's contiguous share of `inputs` (list, tuple, dict
-        of those, tensor, numpy array, datasets.Dataset); see `mpaccel.split.split_inputs`."""
+        """Not collective. A context manager that yields this process's contiguous share of
+        `inputs`: shares differ in length by at most one, the first processes taking the extra
+        items; a process past the end gets an empty share.
+
+        Args:
+            inputs: a list, tuple, tensor, numpy array or datasets.Dataset, or a dict of those
+                (nested or not; every leaf of the same length, split with the same bounds).
+            apply_padding: fill shorter shares up with the last item, so that every process
+                holds as many items (drop the extras after gathering).
+
+        Raises:
+            ValueError: for a dict whose leaves differ in length.
+        """
         yield split_inputs(inputs, self.process_index, self.num_processes, apply_padding)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """print() on the local main process only: once per node."""
+        """Not collective. print() on the local main process only: once per node.
+
+        Args:
+            *args: what print() prints.
+            **kwargs: print()'s keywords (sep=, end=, file=, flush=).
+        """
         if self.is_local_main_process:
             print(*args, **kwargs)
 
@@ -348,24 +369,49 @@ class PartialState:
         return wrapper
 
     def on_main_process(self, function: Callable | None = None) -> Callable:
-        """Decorator: run the function on the main process only (elsewhere it returns None)."""
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        the main process only; elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate.
+        """
         return self._run_if(function, lambda: self.is_main_process)
 
     def on_local_main_process(self, function: Callable | None = None) -> Callable:
-        """Decorator: run the function on each node's local main process only."""
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        each node's local main process only; elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate.
+        """
         return self._run_if(function, lambda: self.is_local_main_process)
 
     def on_last_process(self, function: Callable | None = None) -> Callable:
-        """Decorator: run the function on the last process only."""
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        the last process only; elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate.
+        """
         return self._run_if(function, lambda: self.is_last_process)
 
     def on_process(
         self, function: Callable | int | None = None, process_index: int | None = None
     ) -> Callable:
-        """Decorator: run the function on the process with global index `process_index`.
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        the process with global index `process_index`; elsewhere the call returns None.
 
         In a job of one process it runs whatever the index, as Accelerate does when not
-        distributed: a script written for N processes does all its work as plain `python`."""
+        distributed: a script written for N processes does all its work as plain `python`.
+
+        Args:
+            function: the function to decorate; or the index itself, as in
+                `@state.on_process(1)`; or None, as in `@state.on_process(process_index=1)`.
+            process_index: the global index of the process that runs it.
+
+        Raises:
+            ConfigurationError: without an index, or with one that is not an int >= 0.
+        """
         if isinstance(function, int) and not isinstance(function, bool):
             function, process_index = None, function
         index = _required_index(process_index, "on_process", "process_index")
@@ -381,10 +427,19 @@ class PartialState:
         *,
         local_process_idx: int | None = None,
     ) -> Callable:
-        """Decorator: run the function on the process with this local index on every node (in a
-        job of one process, whatever the index, as on_process).
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        the process with this local index on every node (in a job of one process, whatever the
+        index, as on_process); elsewhere the call returns None.
 
-        `local_process_idx=` is accepted as an alias (Accelerate's guides use both)."""
+        Args:
+            function: the function to decorate; or the index itself, as in
+                `@state.on_local_process(0)`; or None, with the index as a keyword.
+            local_process_index: the index, on its node, of the process that runs it.
+            local_process_idx: the same, under the other name Accelerate's guides use.
+
+        Raises:
+            ConfigurationError: without an index, or with one that is not an int >= 0.
+        """
         if isinstance(function, int) and not isinstance(function, bool):
             function, local_process_index = None, function
         if local_process_index is None:
@@ -396,7 +451,13 @@ class PartialState:
         )
 
     def destroy_process_group(self, group: Any = None) -> None:
-        """Destroy `group`, or the default torch.distributed group when None."""
+        """Not collective (it waits for no other rank), though every rank of the group should
+        call it before it exits. Destroys the process group; a no-op when there is none.
+
+        Args:
+            group: the torch.distributed group to destroy; None: the default group (then the
+                state's `backend` becomes None).
+        """
         distributed.destroy_process_group(group)
         if group is None:
             self._shared_state["backend"] = None
@@ -438,6 +499,20 @@ class AcceleratorState:
     from `parallelism_config`, else from the nodes for HYBRID_SHARD). The plugins of engines
     mpaccel does not drive (DeepSpeed, Megatron-LM, tensor parallelism) must be None: anything
     else is a ConfigurationError.
+
+    Args:
+        mixed_precision: "no", "fp16" or "bf16" (or a PrecisionType); None: the variable
+            MPACCEL_MIXED_PRECISION or ACCELERATE_MIXED_PRECISION, else "no". Once set,
+            another value is a ConfigurationError until _reset_state().
+        cpu: run on the CPU even when GPUs are visible (PartialState's).
+        dynamo_plugin: the TorchDynamoPlugin prepared models are compiled with; None: the
+            default one.
+        deepspeed_plugin: must be None.
+        fsdp_plugin: a FullyShardedDataParallelPlugin to shard models with.
+        torch_tp_plugin: must be None.
+        megatron_lm_plugin: must be None.
+        parallelism_config: a ParallelismConfig giving the shape of the FSDP mesh.
+        **kwargs: PartialState's: InitProcessGroupKwargs' backend, init_method, timeout.
     """
 
     _shared_state: dict[str, Any] = {}
@@ -560,11 +635,20 @@ class AcceleratorState:
     # process's PartialState, not this state's: they keep working after _reset_state() (its
     # scripts reset, then call accelerator.is_local_main_process or state.destroy_process_group).
     def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
-        """Collective; see PartialState.wait_for_everyone."""
+        """Collective: every rank must call it; see PartialState.wait_for_everyone.
+
+        Args:
+            timeout: how long to wait, in seconds or as a timedelta; None: the state's.
+        """
         PartialState().wait_for_everyone(timeout)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """See PartialState.print."""
+        """Not collective. print() on the local main process only; see PartialState.print.
+
+        Args:
+            *args: what print() prints.
+            **kwargs: print()'s keywords.
+        """
         PartialState().print(*args, **kwargs)
 
     use_distributed = _partials("use_distributed")
@@ -574,7 +658,11 @@ class AcceleratorState:
     fork_launched = _partials("fork_launched")
 
     def destroy_process_group(self, group: Any = None) -> None:
-        """See PartialState.destroy_process_group."""
+        """Not collective; see PartialState.destroy_process_group.
+
+        Args:
+            group: the torch.distributed group to destroy; None: the default group.
+        """
         PartialState().destroy_process_group(group)
 
     def main_process_first(self) -> AbstractContextManager[None]:
@@ -588,7 +676,12 @@ class AcceleratorState:
     def split_between_processes(
         self, inputs: Any, apply_padding: bool = False
     ) -> AbstractContextManager[Any]:
-        """Not collective; see PartialState.split_between_processes."""
+        """Not collective; see PartialState.split_between_processes.
+
+        Args:
+            inputs: a list, tuple, tensor, numpy array or datasets.Dataset, or a dict of those.
+            apply_padding: fill shorter shares up with the last item.
+        """
         return PartialState().split_between_processes(inputs, apply_padding)
 
     @property
@@ -604,7 +697,14 @@ class AcceleratorState:
         return None
 
     def get_deepspeed_plugin(self, name: str) -> Any:
-        """The DeepSpeed plugin registered under `name` (mpaccel registers none)."""
+        """Not collective. The DeepSpeed plugin registered under `name`.
+
+        Args:
+            name: the plugin's name.
+
+        Raises:
+            ConfigurationError: always, as mpaccel does not drive DeepSpeed and registers none.
+        """
         try:
             return self.deepspeed_plugins[name]
         except KeyError:
@@ -613,7 +713,14 @@ class AcceleratorState:
             ) from None
 
     def select_deepspeed_plugin(self, name: str | None = None) -> None:
-        """Activate the DeepSpeed plugin `name` (mpaccel registers none)."""
+        """Not collective. Activates the DeepSpeed plugin `name`.
+
+        Args:
+            name: the plugin's name.
+
+        Raises:
+            ConfigurationError: always, as mpaccel does not drive DeepSpeed and registers none.
+        """
         self.get_deepspeed_plugin(name)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -654,7 +761,12 @@ def is_initialized() -> bool:
 
 
 class GradientState:
-    """Gradient synchronisation state for accumulation (shared state)."""
+    """Gradient synchronisation state for accumulation (shared state). Not collective.
+
+    Args:
+        gradient_accumulation_plugin: its settings (num_steps, adjust_scheduler,
+            sync_with_dataloader, sync_each_batch) replace the state's; None keeps them.
+    """
 
     _shared_state: dict[str, Any] = {}
 
