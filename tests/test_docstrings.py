@@ -11,6 +11,11 @@ from typing import Any
 
 import pytest
 
+import mpaccel.local_sgd
+import mpaccel.ops
+import mpaccel.preemption
+import mpaccel.tracking.base
+import mpaccel.tracking.registry
 import mpaccel.utils
 from mpaccel.accelerator import Accelerator
 from mpaccel.state import AcceleratorState, GradientState, PartialState
@@ -61,6 +66,32 @@ def utils_functions() -> Iterator[tuple[str, Callable[..., Any]]]:
             and function.__module__.startswith("mpaccel")
         ):
             yield f"mpaccel.utils.{name}", function
+
+
+# Modules whose public functions and classes are checked whole (the tracker classes of
+# tracking/files.py and tracking/services.py are not yet).
+MODULES = [
+    mpaccel.local_sgd,
+    mpaccel.ops,
+    mpaccel.preemption,
+    mpaccel.tracking.base,
+    mpaccel.tracking.registry,
+]
+
+
+def module_api(module: Any) -> Iterator[tuple[str, Callable[..., Any], str | None]]:
+    """(name, function, None) for the public functions `module` defines, and for the public
+    methods of its classes; (name, constructor, class docstring) for those of its classes."""
+    for name, obj in sorted(vars(module).items()):
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(obj):
+            yield f"{module.__name__}.{name}", obj, None
+        elif inspect.isclass(obj) and not issubclass(obj, BaseException):
+            for qualname, method in methods(obj):
+                yield f"{module.__name__}.{qualname}", method, None
+            if "__init__" in vars(obj):
+                yield f"{module.__name__}.{name}()", obj.__init__, inspect.getdoc(obj) or ""
 
 
 def parameters(function: Callable[..., Any]) -> list[str]:
@@ -125,11 +156,19 @@ def test_utils_functions_say_collective_and_name_their_args() -> None:
     assert not found, "\n".join(found)
 
 
+@pytest.mark.parametrize("module", MODULES, ids=lambda module: module.__name__)
+def test_module_api_says_collective_and_names_its_args(module: Any) -> None:
+    found = [p for name, function, doc in module_api(module) for p in problems(name, function, doc)]
+    assert not found, "\n".join(found)
+
+
 def test_the_checks_find_what_they_check() -> None:
     """The collections are not empty and the parser reads a Google-style section."""
     assert dict(methods(PartialState))["PartialState.wait_for_everyone"]
     assert "mpaccel.utils.gather" in dict(utils_functions())
     assert "mpaccel.utils.is_xpu_available" in dict(utils_functions())  # cached
+    api = {name: doc for name, _, doc in module_api(mpaccel.preemption)}
+    assert "mpaccel.preemption.Preemption.check" in api and "mpaccel.preemption.Preemption()" in api
     assert "Accelerator.backward" in dict(methods(Accelerator))
     assert "Accelerator.deepspeed_ulysses_dl_adapter" not in dict(methods(Accelerator))
 
