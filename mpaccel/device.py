@@ -89,10 +89,16 @@ def send_to_device(
     non_blocking: bool = False,
     skip_keys: str | Sequence[str] | None = None,
 ) -> Any:
-    """Not collective. `tensor` on `device`: a tensor, or anything with a `.to` method (a
-    tokenizer's BatchEncoding, a module), or lists, tuples, named tuples and mappings of those,
-    rebuilt with the same types; the values of mappings under `skip_keys` stay where they are,
-    and anything else is returned as it is."""
+    """Not collective. `tensor` moved to `device`, nested structures rebuilt with the same
+    types; anything without a `.to` method is returned as it is.
+
+    Args:
+        tensor: a tensor, or anything with a `.to` method (a tokenizer's BatchEncoding, a
+            module), or lists, tuples, named tuples and mappings of those.
+        device: where to move it (a torch.device, "cuda:0", or a device index).
+        non_blocking: passed to `.to` (a `.to` that does not take it is called without).
+        skip_keys: a mapping key, or keys, whose values stay where they are.
+    """
     if isinstance(tensor, torch.Tensor) or hasattr(tensor, "to"):
         try:
             return tensor.to(device, non_blocking=non_blocking)
@@ -126,8 +132,12 @@ def clear_device_cache(garbage_collection: bool = False) -> None:
 
 
 def release_memory(*objects: Any) -> list[None]:
-    """`objects` replaced by None, after a garbage collection and emptying the device cache:
-    `a, b = release_memory(a, b)`. Not collective."""
+    """Not collective. As many Nones as `objects`, returned after a garbage collection and
+    emptying the device cache: `a, b = release_memory(a, b)`.
+
+    Args:
+        *objects: the objects to let go of (the caller's names must be rebound to the result).
+    """
     released: list[None] = [None] * len(objects)
     del objects
     clear_device_cache(garbage_collection=True)

@@ -18,7 +18,7 @@ from .checkpoint import CheckpointError
 from .checkpoint.files import remove_tree
 from .checkpoint.sharded import save_sharded
 from .checkpoint.sharded_read import load_sharded, read_full
-from .partial_state import PartialState
+from .state import PartialState
 
 
 def _model_dir(output_dir: str, index: int) -> str:
@@ -50,9 +50,19 @@ def _model_state(module: torch.nn.Module, adapter_only: bool) -> tuple[dict[str,
 def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module,
                     output_dir: str, model_index: int = 0, adapter_only: bool = False,
                     use_dcp: bool = True) -> None:
-    """Collective: the model's state as each rank's rows, in output_dir/pytorch_model_fsdp_<i>
-    (`fsdp_plugin` and `use_dcp` are Accelerate's; the layout is always sharded). With
-    adapter_only, a PEFT model's trainable (adapter) parameters alone; other models whole."""
+    """Collective: every rank must call it. Saves the model's state as each rank's rows, in
+    output_dir/pytorch_model_fsdp_<model_index> (the layout is always sharded).
+
+    Args:
+        fsdp_plugin: Accelerate's; accepted and unused.
+        accelerator: the Accelerator that prepared `model` (it unwraps it).
+        model: the prepared model.
+        output_dir: the directory the checkpoint's directory is made in.
+        model_index: which model of the script this is (the directory's suffix).
+        adapter_only: for a PEFT model, its trainable (adapter) parameters alone; other
+            models are saved whole.
+        use_dcp: Accelerate's; accepted and unused.
+    """
     del fsdp_plugin, use_dcp
     module = accelerator.unwrap_model(model)
     state, _ = _model_state(module, adapter_only)
@@ -62,9 +72,19 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module,
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, input_dir: str,
                     model_index: int = 0, adapter_only: bool = False,
                     use_dcp: bool = True) -> None:
-    """Collective: load what save_fsdp_model wrote (at any world size: each rank reads its
-    rows); `input_dir` may also name the pytorch_model_fsdp_<i> directory itself. With
-    adapter_only, a PEFT model loads its trainable (adapter) parameters alone."""
+    """Collective: every rank must call it. Loads what save_fsdp_model wrote, at any world size
+    (each rank reads its rows).
+
+    Args:
+        fsdp_plugin: Accelerate's; accepted and unused.
+        accelerator: the Accelerator that prepared `model` (it unwraps it).
+        model: the prepared model, loaded in place.
+        input_dir: the directory save_fsdp_model was given, or the
+            pytorch_model_fsdp_<model_index> directory itself.
+        model_index: which model of the script this is (the directory's suffix).
+        adapter_only: for a PEFT model, load its trainable (adapter) parameters alone.
+        use_dcp: Accelerate's; accepted and unused.
+    """
     del fsdp_plugin, use_dcp
     module = accelerator.unwrap_model(model)
     directory = _model_dir(input_dir, model_index)
@@ -77,7 +97,18 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, 
 def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
                         model: torch.nn.Module, output_dir: str, optimizer_index: int = 0,
                         use_dcp: bool = True) -> None:
-    """Collective: the optimizer's state as each rank's rows, in output_dir/optimizer_<i>."""
+    """Collective: every rank must call it. Saves the optimizer's state as each rank's rows, in
+    output_dir/optimizer_<optimizer_index>.
+
+    Args:
+        fsdp_plugin: Accelerate's; accepted and unused.
+        accelerator: Accelerate's; accepted and unused.
+        optimizer: the prepared optimizer.
+        model: Accelerate's; accepted and unused.
+        output_dir: the directory the checkpoint's directory is made in.
+        optimizer_index: which optimizer of the script this is (the directory's suffix).
+        use_dcp: Accelerate's; accepted and unused.
+    """
     del fsdp_plugin, accelerator, model, use_dcp
     save_sharded(PartialState().comm, _optimizer_dir(output_dir, optimizer_index),
                  {"optimizer": optimizer.state_dict()})
@@ -86,10 +117,22 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
 def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
                         model: torch.nn.Module, input_dir: str, optimizer_index: int = 0,
                         adapter_only: bool = False, use_dcp: bool = True) -> None:
-    """Collective: load what save_fsdp_optimizer wrote; an optimizer that has not stepped gets
-    its state created first (its shards then receive their rows), and dropped again if the
-    load fails. `adapter_only` changes nothing: the optimizer holds the trainable parameters
-    alone either way."""
+    """Collective: every rank must call it. Loads what save_fsdp_optimizer wrote; an optimizer
+    that has not stepped gets its state created first (its shards then receive their rows),
+    and dropped again if the load fails.
+
+    Args:
+        fsdp_plugin: Accelerate's; accepted and unused.
+        accelerator: Accelerate's; accepted and unused.
+        optimizer: the prepared optimizer, loaded in place.
+        model: Accelerate's; accepted and unused.
+        input_dir: the directory save_fsdp_optimizer was given, or the
+            optimizer_<optimizer_index> directory itself.
+        optimizer_index: which optimizer of the script this is (the directory's suffix).
+        adapter_only: changes nothing: the optimizer holds the trainable parameters alone
+            either way.
+        use_dcp: Accelerate's; accepted and unused.
+    """
     del fsdp_plugin, accelerator, model, adapter_only, use_dcp
     directory = _optimizer_dir(input_dir, optimizer_index)
     directory = directory if os.path.isdir(directory) else os.fspath(input_dir)
@@ -107,9 +150,22 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
 
 def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
                        remove_checkpoint_dir: bool = False) -> str:
-    """Not collective (run it in one process): join the rows of a save_fsdp_model checkpoint
-    into whole tensors, written to output_path/model.safetensors (safe_serialization=False,
-    which would pickle, is refused). Returns the file's path."""
+    """Not collective (run it in one process). Joins the rows of a save_fsdp_model checkpoint
+    into whole tensors, written to output_path/model.safetensors.
+
+    Args:
+        checkpoint_dir: the checkpoint: a pytorch_model_fsdp_<i> directory, or the directory
+            holding pytorch_model_fsdp_0.
+        output_path: the directory model.safetensors is written in (made if missing).
+        safe_serialization: must be True: False, which would write a pickle, is refused.
+        remove_checkpoint_dir: delete the checkpoint's directory afterwards.
+
+    Returns:
+        The path of the written file.
+
+    Raises:
+        CheckpointError: for safe_serialization=False.
+    """
     if not safe_serialization:
         raise CheckpointError(
             "merge_fsdp_weights(safe_serialization=False) would write a pickle, which mpaccel "

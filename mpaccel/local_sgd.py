@@ -30,6 +30,16 @@ class LocalSGD:
     same calls (step() averages on the same call everywhere). In a job of one process, or with
     enabled=False, it does nothing. If the block raises, the final average is skipped (the
     other ranks would wait for it): the error ends the job, or is the caller's to handle.
+
+    Args:
+        accelerator: the Accelerator that prepared `model` (one process or DDP; FSDP is
+            refused).
+        model: the prepared model whose parameters are averaged.
+        local_sgd_steps: how many optimizer steps each rank takes between averages (>= 1).
+        enabled: False makes the whole thing a no-op (as does a job of one process).
+
+    Raises:
+        ConfigurationError: with FSDP, or a `local_sgd_steps` that is not an int >= 1.
     """
 
     def __init__(
@@ -85,8 +95,8 @@ class LocalSGD:
             self._no_sync = None
 
     def step(self) -> None:
-        """Count one optimizer step; every `local_sgd_steps` of them, average the parameters
-        (collective then)."""
+        """Collective every `local_sgd_steps`-th call, when it averages the parameters over the
+        ranks; every rank must call it after each optimizer step. Counts one optimizer step."""
         self.num_steps += 1
         if self.enabled and self.num_steps % self.local_sgd_steps == 0:
             self._sync_and_avg_model_params()

@@ -11,15 +11,31 @@ import torch
 
 
 def is_torch_tensor(tensor: Any) -> bool:
+    """Not collective. Whether `tensor` is a torch.Tensor.
+
+    Args:
+        tensor: any object.
+    """
     return isinstance(tensor, torch.Tensor)
 
 
 def is_namedtuple(data: Any) -> bool:
+    """Not collective. Whether `data` is a named tuple (a tuple with `_fields`).
+
+    Args:
+        data: any object.
+    """
     return isinstance(data, tuple) and hasattr(data, "_fields")
 
 
 def honor_type(obj: Any, generator: Any) -> Any:
-    """A list, tuple or named tuple of `obj`'s type holding what `generator` yields."""
+    """Not collective. A list, tuple or named tuple of `obj`'s type holding what `generator`
+    yields.
+
+    Args:
+        obj: the list, tuple or named tuple whose type the result takes.
+        generator: an iterable of the items (a named tuple's in field order).
+    """
     if is_namedtuple(obj):
         return type(obj)(*list(generator))
     return type(obj)(generator)
@@ -33,9 +49,20 @@ def recursively_apply(
     error_on_other_type: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """`data` (lists, tuples, named tuples, mappings, nested) rebuilt with the same types, each
-    leaf for which `test_type(leaf)` holds replaced by `func(leaf, *args, **kwargs)`; other
-    leaves are kept, or a TypeError if `error_on_other_type`. Not collective."""
+    """Not collective. `data` rebuilt with the same types, each leaf for which
+    `test_type(leaf)` holds replaced by `func(leaf, *args, **kwargs)`.
+
+    Args:
+        func: what a leaf is replaced by the result of.
+        data: a leaf, or nested lists, tuples, named tuples and mappings of leaves.
+        *args: passed to `func` after the leaf.
+        test_type: which leaves `func` applies to (default: tensors).
+        error_on_other_type: raise on any other leaf instead of keeping it.
+        **kwargs: passed to `func`.
+
+    Raises:
+        TypeError: with `error_on_other_type`, on a leaf `test_type` refuses.
+    """
     if isinstance(data, (tuple, list)):
         return honor_type(
             data,
@@ -69,6 +96,9 @@ def _is_half(tensor: Any) -> bool:
 
 
 def convert_to_fp32(tensor: Any) -> Any:
-    """`tensor` (a nested structure) with each float16 or bfloat16 tensor converted to float32;
-    other leaves are kept."""
+    """Not collective. `tensor` with each float16 or bfloat16 tensor converted to float32.
+
+    Args:
+        tensor: a tensor, or nested lists, tuples and dicts of them; other leaves are kept.
+    """
     return recursively_apply(lambda t: t.float(), tensor, test_type=_is_half)

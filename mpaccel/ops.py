@@ -205,9 +205,17 @@ def _check(what: str, exchanged: list[tuple[Spec, Leaves]], rule: str) -> list[L
 
 
 def gather(comm: Comm, data: Any) -> Any:
-    """Every rank's tensors concatenated along the first dimension, in rank order.
+    """Collective: every rank of `comm` must call it. Every rank's tensors concatenated along
+    the first dimension, in rank order.
 
-    0-d tensors count as one row. The first dimension may differ across ranks.
+    Args:
+        comm: the job's communicator.
+        data: a tensor, or nested lists, tuples and dicts of tensors, of the same structure,
+            dtypes and trailing dimensions on every rank; the first dimension may differ, and
+            a 0-d tensor counts as one row.
+
+    Raises:
+        DistributedOperationException: on every rank, when the ranks' data disagree.
     """
     if comm.size == 1:
         return data
@@ -229,9 +237,14 @@ def gather(comm: Comm, data: Any) -> Any:
 
 
 def gather_object(comm: Comm, obj: Any) -> list[Any]:
-    """Every rank's picklable objects in one list, in rank order: lists and tuples are
-    concatenated, tensors and numpy arrays contribute their rows (as in Accelerate), anything
-    else one element. Runs over MPI (host), not the GPU."""
+    """Collective: every rank of `comm` must call it. Every rank's picklable objects in one
+    list, in rank order; runs over MPI (host), not the GPU.
+
+    Args:
+        comm: the job's communicator.
+        obj: this rank's part: lists and tuples are concatenated, tensors and numpy arrays
+            contribute their rows (as in Accelerate), anything else one element.
+    """
     parts = _exchange(comm, "gather_object", obj, "gather_object")
     out: list[Any] = []
     for part in parts:
@@ -245,7 +258,11 @@ def gather_object(comm: Comm, obj: Any) -> list[Any]:
 
 
 def only_tensors(data: Any) -> bool:
-    """True if every leaf of the nested lists/tuples/dicts `data` is a tensor."""
+    """Not collective. True if every leaf of `data` is a tensor.
+
+    Args:
+        data: a tensor, or nested lists, tuples and dicts.
+    """
     if isinstance(data, torch.Tensor):
         return True
     if isinstance(data, Mapping):
@@ -256,9 +273,20 @@ def only_tensors(data: Any) -> bool:
 
 
 def reduce(comm: Comm, data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """Element-wise reduction of every rank's tensors: 'sum', 'mean', 'max' or 'min'.
+    """Collective: every rank of `comm` must call it, with the same `reduction`. The
+    element-wise reduction of every rank's tensors, as new tensors (the inputs are left alone).
 
-    Returns new tensors (the inputs are left alone)."""
+    Args:
+        comm: the job's communicator.
+        data: a tensor, or nested lists, tuples and dicts of tensors, of the same structure,
+            dtypes and shapes on every rank.
+        reduction: "sum", "mean", "max" or "min"; "none" returns `data` as it is.
+        scale: a factor every reduced tensor is multiplied by.
+
+    Raises:
+        ConfigurationError: for another `reduction`.
+        DistributedOperationException: on every rank, when the ranks' data disagree.
+    """
     if reduction not in ("sum", "mean", "max", "min", "none"):
         raise ConfigurationError(
             f"reduce(reduction={reduction!r}): expected 'sum', 'mean', 'max' or 'min'"
@@ -300,7 +328,19 @@ def _source(what: str, from_process: Any, size: int) -> None:
 
 
 def broadcast(comm: Comm, data: Any, from_process: int = 0) -> Any:
-    """Rank `from_process`'s tensors on every rank (same shapes required), in place."""
+    """Collective: every rank of `comm` must call it, naming the same `from_process`. Rank
+    `from_process`'s tensors copied into every rank's, in place.
+
+    Args:
+        comm: the job's communicator.
+        data: a tensor, or nested lists, tuples and dicts of tensors, of the same structure,
+            dtypes and shapes on every rank.
+        from_process: the rank whose tensors every rank receives.
+
+    Raises:
+        ConfigurationError: when `from_process` is not a rank of the job.
+        DistributedOperationException: on every rank, when the ranks' data disagree.
+    """
     from_process = _as_rank(from_process)
     if comm.size == 1:
         _source("broadcast", from_process, 1)
@@ -315,7 +355,18 @@ def broadcast(comm: Comm, data: Any, from_process: int = 0) -> Any:
 def broadcast_object_list(comm: Comm, objects: list[Any], from_process: int = 0) -> list[Any]:
     """Collective: rank `from_process`'s list of picklable objects on every rank, put in place
     of `objects`' items (over MPI). Every rank must name the same `from_process`: it rides
-    in the one exchange, so a rank naming another is one error on every rank, naming them."""
+    in the one exchange, so a rank naming another is one error on every rank, naming them.
+
+    Args:
+        comm: the job's communicator.
+        objects: on rank `from_process` the list sent, elsewhere the list whose items are
+            replaced.
+        from_process: the rank whose list every rank receives.
+
+    Raises:
+        ConfigurationError: when `from_process` is not a rank of the job.
+        CollectiveMismatchError: on every rank, when the ranks name different ones.
+    """
     from_process = _as_rank(from_process)
     operation = f"broadcast_object_list(from_process={from_process!r})"
     mine = list(objects) if from_process == comm.rank else None
@@ -331,7 +382,16 @@ def copy_tensor_to_devices(
     """Collective: the tensor exactly one rank passes (the others pass None), as a new tensor on
     `device` on every rank. Unlike broadcast, the others need not know its shape or dtype: they
     ride in one exchange, which also finds the holder (none, or several, is the same error on
-    every rank)."""
+    every rank).
+
+    Args:
+        comm: the job's communicator.
+        tensor: the tensor on the rank that holds it, None on every other rank.
+        device: where every rank's copy is made.
+
+    Raises:
+        DistributedOperationException: on every rank, when no rank or several passed one.
+    """
     held = (tuple(tensor.shape), str(tensor.dtype)) if tensor is not None else None
     facts = _exchange(comm, "copy_tensor_to_devices", held, "copy_tensor_to_devices")
     holders = [rank for rank, fact in enumerate(facts) if fact is not None]
@@ -354,7 +414,21 @@ def copy_tensor_to_devices(
 def pad_across_processes(
     comm: Comm, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
 ) -> Any:
-    """Pad each tensor along `dim` to the largest size any rank has, with `pad_index`."""
+    """Collective: every rank of `comm` must call it. Each tensor padded along `dim` to the
+    largest size any rank has there, with `pad_index`.
+
+    Args:
+        comm: the job's communicator.
+        data: a tensor, or nested lists, tuples and dicts of tensors, of the same structure,
+            number of dimensions and dtypes on every rank. A tensor without dimension `dim`,
+            or a nested tensor (with a CannotPadNestedTensorWarning), is returned as it is.
+        dim: the dimension to pad (negative counts from the end).
+        pad_index: the value the new entries hold.
+        pad_first: put the padding before the data instead of after it.
+
+    Raises:
+        DistributedOperationException: on every rank, when the ranks' data disagree.
+    """
     # Each rank pads only `dim`, so other dimensions may differ; the structure, the number of
     # dimensions and the dtypes may not (else ranks would fail, or not, one by one).
     metas = _check("pad_across_processes", _metadata(comm, data, "pad_across_processes"), "ndim")
@@ -389,5 +463,10 @@ def pad_across_processes(
 
 
 def truncate(data: Any, count: int) -> Any:
-    """The first `count` rows of every tensor."""
+    """Not collective. The first `count` rows of every tensor.
+
+    Args:
+        data: a tensor, or nested lists, tuples and dicts of tensors.
+        count: how many rows to keep.
+    """
     return _rebuild(data, lambda t: t[:count])

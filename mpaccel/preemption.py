@@ -32,7 +32,16 @@ def _signal_number(sig: int | str) -> int:
 
 
 class Preemption:
-    """Records preemption signals; `check(comm)` turns them into a collective decision."""
+    """Records preemption signals; `check(comm)` turns them into a collective decision.
+
+    Args:
+        signals: the signals to record, by number or name ("SIGUSR1", "TERM").
+        requeue: whether the main process requeues the Slurm job once the preemption
+            checkpoint is written.
+
+    Raises:
+        ValueError: for a signal name that does not exist.
+    """
 
     def __init__(self, signals: Iterable[int | str] = DEFAULT_SIGNALS, requeue: bool = True):
         self.signals = [_signal_number(s) for s in signals]
@@ -42,11 +51,12 @@ class Preemption:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
-        """Not collective. Replace the handlers of the chosen signals (main thread only)."""
+        """Not collective. Replaces the handlers of the chosen signals (main thread only)."""
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._handle)
 
     def uninstall(self) -> None:
+        """Not collective. Puts back the handlers install() replaced (main thread only)."""
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous.clear()
@@ -56,7 +66,12 @@ class Preemption:
             self.received = number
 
     def check(self, comm: Any) -> bool:
-        """Collective: True on every rank once any rank has received a signal."""
+        """Collective: every rank must call it (one MPI all-reduce of an int, until it has
+        answered True once). True on every rank once any rank has received a signal.
+
+        Args:
+            comm: the job's communicator (PartialState().comm).
+        """
         if self.decided:
             return True
         self.decided = bool(
@@ -72,7 +87,12 @@ class Preemption:
 
 
 def job_id_for_requeue(env: _env.Snapshot | None = None) -> str | None:
-    """The id `scontrol requeue` needs: ARRAYJOB_TASK for array tasks, else the job id."""
+    """Not collective. The id `scontrol requeue` needs: ARRAYJOB_TASK for array tasks, else
+    the job id; None outside Slurm.
+
+    Args:
+        env: the environment to read; None: the process's snapshot.
+    """
     array_job = _env.get("slurm_array_job_id", env)
     array_task = _env.get("slurm_array_task_id", env)
     if array_job and array_task:
@@ -81,8 +101,16 @@ def job_id_for_requeue(env: _env.Snapshot | None = None) -> str | None:
 
 
 def requeue(env: _env.Snapshot | None = None) -> bool:
-    """Not collective (rank 0 calls it): put this Slurm job back in the queue. The job must have
-    been submitted with --requeue (or JobRequeue=1). Returns whether Slurm accepted."""
+    """Not collective (rank 0 calls it). Puts this Slurm job back in the queue with `scontrol
+    requeue`; a failure is a warning. The job must have been submitted with --requeue (or
+    JobRequeue=1).
+
+    Args:
+        env: the environment to read the job id from; None: the process's snapshot.
+
+    Returns:
+        Whether Slurm accepted.
+    """
     job = job_id_for_requeue(env)
     if job is None:
         warnings.warn("not in a Slurm job: nothing to requeue", MpaccelRuntimeWarning, stacklevel=2)
@@ -110,10 +138,20 @@ def requeue(env: _env.Snapshot | None = None) -> bool:
 
 
 def restart_count(env: _env.Snapshot | None = None) -> int:
-    """How many times Slurm restarted this job (0 on the first run or outside Slurm)."""
+    """Not collective. How many times Slurm restarted this job (0 on the first run or outside
+    Slurm).
+
+    Args:
+        env: the environment to read; None: the process's snapshot.
+    """
     return _env.get_int("slurm_restart_count", env) or 0
 
 
 def exit_cleanly(code: int = 0) -> None:
-    """Flush and leave: SystemExit lets MPI finalise normally on every rank (lifecycle)."""
+    """Not collective, but every rank should call it: flush and leave; SystemExit lets MPI
+    finalise normally (lifecycle.end_job).
+
+    Args:
+        code: the exit status.
+    """
     lifecycle.end_job(code)

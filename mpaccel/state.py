@@ -1,37 +1,478 @@
 """PartialState, AcceleratorState and GradientState: shared-state classes, as Accelerate has them.
 
 All instances of a class share one dictionary, filled by the first instantiation. PartialState
-(process facts and control, discovery) lives in partial_state.py; this module adds the training
-configuration (AcceleratorState) and gradient accumulation (GradientState). Resetting only
-forgets the configuration, so tests can build a fresh state cheaply.
+holds the process's facts and process control; discovery (MPI, Slurm) happens in its first
+instantiation, once per process, and survives `_reset_state()`, as does the torch process group.
+AcceleratorState adds the training configuration, GradientState gradient accumulation.
+Resetting only forgets the configuration, so tests can build a fresh state cheaply.
+
+One concept despite its length: the state Accelerate's users reach as `state`. The three classes
+share one mechanism (a shared dictionary, its reset, pickling as the process's own, the error
+after a reset), and AcceleratorState answers PartialState's facts, so they live together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from . import _absent, _env, sharding, shared_settings
+import torch
+
+from . import _absent, _env, distributed, lifecycle, sharding, shared_settings
+from .comm import Comm, agreement
 from .config import (
     SHARD_INSTEAD,
     GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
     TorchDynamoPlugin,
+    as_timedelta,
 )
+from .device import check_gpus_not_shared, current_device
+from .discovery import Discovery, discover, emit_warnings
 from .enums import DistributedType
-from .errors import ConfigurationError
-from .partial_state import (
-    _PARTIAL_ATTRIBUTES,
-    DEFAULT_TIMEOUT,
-    TRAINING_STATE,
-    PartialState,
-    _discover,
-    _missing,
-    _shared_instance,
-)
+from .environments import ProcessInfo
+from .errors import CollectiveError, ConfigurationError, MpaccelError
+from .split import split_inputs
 
 __all__ = ["AcceleratorState", "GradientState", "PartialState"]
+
+DEFAULT_TIMEOUT = 1800.0  # seconds, like torch.distributed's default; MPACCEL_TIMEOUT overrides
+
+_discovery: Discovery | None = None
+
+
+def discover_once(timeout: float, problem: MpaccelError | None = None) -> Discovery:
+    """Collective the first time (every rank must call it): the job's Discovery, made once per
+    process and kept across `_reset_state()`; later calls return it without communicating.
+
+    Args:
+        timeout: seconds the discovery's collectives may wait for the other ranks.
+        problem: this rank's own error, raised on every rank once MPI is up (see
+            `discovery.discover`), so that no rank is left waiting in MPI_Init.
+
+    Raises:
+        MpaccelError: `problem`, or what discovery found wrong with the launch.
+    """
+    global _discovery
+    if _discovery is None:
+        _discovery = discover(timeout, problem=problem)
+        emit_warnings(_discovery)
+    elif problem is not None:
+        raise problem
+    return _discovery
+
+
+def discovered() -> Discovery | None:
+    """Not collective. The job's Discovery if `discover_once` has run in this process, else None."""
+    return _discovery
+
+
+def _limit_threads(found: Discovery) -> None:
+    # N ranks on a node each running cores-many intra-op threads thrash; torchrun sets
+    # OMP_NUM_THREADS=1. Share the cores instead, unless the user chose: ranks bound to CPUs of
+    # their own keep them all, ranks that may all run anywhere split the node (discovery).
+    if found.info.local_num_processes > 1 and _env.get("omp_num_threads") is None:
+        torch.set_num_threads(found.cpu_share)
+
+
+_PROCESS_GROUP_KEYS = {"backend", "init_method", "timeout"}
+
+
+def _shared_instance(cls: Any) -> Any:
+    """Unpickling a state object: an instance sharing this process's state, as a new
+    `cls()` would, without setting anything up (see __reduce__)."""
+    instance = cls.__new__(cls)
+    instance.__dict__ = cls._shared_state
+    return instance
+
+
+def _missing(cls_name: str, name: str, known: frozenset[str]) -> AttributeError:
+    """The AttributeError for `name`, which the shared state of `cls_name` lacks: for what the
+    state holds once set up, the likely cause (a reset) and its cure."""
+    if name in known:
+        return AttributeError(
+            f"`{cls_name}` object has no attribute `{name}`. This happens if "
+            f"`{cls_name}._reset_state()` was called and an `Accelerator` or `PartialState` was "
+            f"not reinitialized.\nHINT: create the Accelerator (or PartialState) again after "
+            f"resetting the state, and use the objects it prepares."
+        )
+    return AttributeError(f"'{cls_name}' object has no attribute '{name}'")
+
+
+class PartialState:
+    """Where this process sits in the job, and process control (barriers, ordering, decorators).
+
+    Shared state: the first `PartialState()` in a process discovers the job (collective: every
+    process must create it) and later instances share the result.
+
+    Args:
+        cpu: run on the CPU even when GPUs are visible.
+        **kwargs: `InitProcessGroupKwargs(...).to_kwargs()`: backend, init_method, timeout.
+    """
+
+    _shared_state: dict[str, Any] = {}
+    # Set together, at the end of the first __init__ (annotations only: no class attributes).
+    _cpu: bool
+    _discovery: Discovery
+    process_info: ProcessInfo
+    comm: Comm
+    default_timeout: float
+    device: torch.device
+    debug: bool
+    fork_launched: bool
+    distributed_type: DistributedType
+    backend: str | None
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        self.__dict__ = self._shared_state
+        unknown = set(kwargs) - _PROCESS_GROUP_KEYS
+        if unknown:
+            raise TypeError(
+                f"PartialState got unexpected keyword argument(s) {sorted(unknown)}; it takes "
+                f"cpu and the InitProcessGroupKwargs fields {sorted(_PROCESS_GROUP_KEYS)}"
+            )
+        try:
+            use_cpu = _env.get_bool("use_cpu", False)
+            env_timeout = _env.get_float("timeout")
+            debug = _env.get_bool("debug", False)
+        except ConfigurationError as exc:  # raised on every rank: none waits in MPI_Init
+            discover_once(DEFAULT_TIMEOUT, exc)
+            raise
+        cpu = bool(cpu) or use_cpu
+        if self.initialized:
+            self._check_same(cpu)
+            return
+        pg = InitProcessGroupKwargs(**kwargs)
+        # One deadline for mpaccel's own collectives and for torch.distributed's (store,
+        # gloo/NCCL): InitProcessGroupKwargs(timeout=), else MPACCEL_TIMEOUT, else 30 min.
+        timeout = pg.timeout or (timedelta(seconds=env_timeout) if env_timeout else None)
+        default_timeout = timeout.total_seconds() if timeout else DEFAULT_TIMEOUT
+        found = discover_once(default_timeout)
+        found.comm.set_default_timeout(default_timeout)
+        info = found.info
+        # Everything is computed before anything is shared: a failure here (a launch error,
+        # a GPU shared by two ranks) leaves the state uninitialised, not half-built.
+        device = current_device(cpu, info.local_process_index, info.local_num_processes)
+        if info.num_processes > 1:
+            check_gpus_not_shared(found.comm, info.hostname, device)
+        if info.num_processes == 1:
+            distributed_type = DistributedType.NO
+        elif device.type == "cuda":
+            distributed_type = DistributedType.MULTI_GPU
+        else:
+            distributed_type = DistributedType.MULTI_CPU
+        _limit_threads(found)
+        # Always given: left to torch, NCCL's default is 10 min (gloo's 30), not this deadline.
+        backend = distributed.init_process_group(
+            found.comm, info, device, pg.backend, pg.init_method,
+            timedelta(seconds=default_timeout),
+        )
+        self.__dict__.update(
+            _cpu=cpu,
+            _discovery=found,
+            process_info=info,
+            comm=found.comm,
+            default_timeout=default_timeout,
+            device=device,
+            debug=debug,
+            fork_launched=False,
+            distributed_type=distributed_type,
+            backend=backend,
+        )
+        # After init_process_group: torch wraps sys.excepthook there and buffers its output.
+        lifecycle.install_abort_hook(
+            info.process_index, info.num_processes, info.hostname, self.comm.abort
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the instance and the class lack: after _reset_state().
+        raise _missing("PartialState", name, _PARTIAL_ATTRIBUTES)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The state is the process's (MPI handles, the process group): a pickled PartialState
+        # unpickles as this process's shared state, not as a copy of another's.
+        return (_shared_instance, (PartialState,))
+
+    def _check_same(self, cpu: bool) -> None:
+        if cpu and self.device.type != "cpu":
+            raise ConfigurationError(
+                f"the state was already initialised on {self.device}; cpu=True cannot move it",
+                "pass cpu=True to the first PartialState()/Accelerator() of the script.",
+            )
+
+    def __repr__(self) -> str:
+        if not self.initialized:
+            return "PartialState(uninitialised)"
+        return (
+            f"Distributed environment: {self.distributed_type}\n"
+            f"Num processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\n"
+            f"Node index: {self.node_index} of {self.num_nodes}\n"
+            f"Device: {self.device}\n"
+            f"Launcher: {self._discovery.launcher.name}\n"
+        )
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Forget the configuration (tests). Discovery and the process group are kept."""
+        PartialState._shared_state.clear()
+
+    # -- facts ---------------------------------------------------------------------------------
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+    @property
+    def num_processes(self) -> int:
+        return self.process_info.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.process_info.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.process_info.local_process_index
+
+    @property
+    def local_num_processes(self) -> int:
+        return self.process_info.local_num_processes
+
+    @property
+    def node_index(self) -> int:
+        return self.process_info.node_index
+
+    @property
+    def num_nodes(self) -> int:
+        return self.process_info.num_nodes
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_info.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.process_info.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_info.is_last_process
+
+    @property
+    def mixed_precision(self) -> str:
+        return AcceleratorState._shared_state.get("_mixed_precision", "no")
+
+    @property
+    def default_device(self) -> torch.device:
+        return self.device
+
+    def set_device(self) -> None:
+        """Not collective. Makes this process's device the current CUDA device (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    # -- process control -----------------------------------------------------------------------
+
+    def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
+        """Collective: every rank must call it. Returns once all ranks have arrived.
+
+        Runs over MPI on the host (no GPU sync). Signals are handled while waiting.
+
+        Args:
+            timeout: how long to wait, in seconds or as a timedelta; None: the state's
+                (30 min unless InitProcessGroupKwargs(timeout=) or MPACCEL_TIMEOUT say
+                otherwise).
+
+        Raises:
+            CollectiveTimeoutError: after `timeout`, naming the ranks that never arrived.
+        """
+        limit = as_timedelta(timeout)
+        self.comm.barrier("wait_for_everyone", None if limit is None else limit.total_seconds())
+
+    @contextmanager
+    def _goes_first(self, is_main: bool, what: str) -> Iterator[None]:
+        # Two gates. A gate is an agreement: if the side that ran first failed, everyone raises
+        # the same CollectiveError instead of the others going ahead or waiting forever.
+        if not is_main:
+            self.comm.agree(None, what)
+        # A CollectiveError from the block was agreed on every rank already (a nested gate
+        # failed: the others learnt it at the gate they were waiting in), or a peer is gone:
+        # another agreement would meet nobody, or another gate, on the other ranks.
+        with agreement(self.comm, what, passing=(CollectiveError,)):
+            yield
+        if is_main:
+            self.comm.agree(None, what)
+
+    @contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Collective. The main process runs the block first; the others enter after it leaves.
+
+        If the block fails on any rank, every rank raises the same CollectiveError.
+        """
+        with self._goes_first(self.is_main_process, "main_process_first"):
+            yield
+
+    @contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Collective. Each node's local main process runs the block first, then the others."""
+        with self._goes_first(self.is_local_main_process, "local_main_process_first"):
+            yield
+
+    @contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Not collective. A context manager that yields this process's contiguous share of
+        `inputs`: shares differ in length by at most one, the first processes taking the extra
+        items; a process past the end gets an empty share.
+
+        Args:
+            inputs: a list, tuple, tensor, numpy array or datasets.Dataset, or a dict of those
+                (nested or not; every leaf of the same length, split with the same bounds).
+            apply_padding: fill shorter shares up with the last item, so that every process
+                holds as many items (drop the extras after gathering).
+
+        Raises:
+            ValueError: for a dict whose leaves differ in length.
+        """
+        yield split_inputs(inputs, self.process_index, self.num_processes, apply_padding)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Not collective. print() on the local main process only: once per node.
+
+        Args:
+            *args: what print() prints.
+            **kwargs: print()'s keywords (sep=, end=, file=, flush=).
+        """
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    # -- decorators (not collective; the check happens at call time) ---------------------------
+
+    def _run_if(self, function: Callable | None, condition: Callable[[], bool]) -> Callable:
+        if function is None:
+            return functools.partial(self._run_if, condition=condition)
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if condition():
+                return function(*args, **kwargs)
+            return None
+
+        return wrapper
+
+    def on_main_process(self, function: Callable | None = None) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        the main process only; elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate.
+        """
+        return self._run_if(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable | None = None) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        each node's local main process only; elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate.
+        """
+        return self._run_if(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable | None = None) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        the last process only; elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate.
+        """
+        return self._run_if(function, lambda: self.is_last_process)
+
+    def on_process(
+        self, function: Callable | int | None = None, process_index: int | None = None
+    ) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        the process with global index `process_index`; elsewhere the call returns None.
+
+        In a job of one process it runs whatever the index, as Accelerate does when not
+        distributed: a script written for N processes does all its work as plain `python`.
+
+        Args:
+            function: the function to decorate; or the index itself, as in
+                `@state.on_process(1)`; or None, as in `@state.on_process(process_index=1)`.
+            process_index: the global index of the process that runs it.
+
+        Raises:
+            ConfigurationError: without an index, or with one that is not an int >= 0.
+        """
+        if isinstance(function, int) and not isinstance(function, bool):
+            function, process_index = None, function
+        index = _required_index(process_index, "on_process", "process_index")
+        return self._run_if(
+            function,  # type: ignore[arg-type]
+            lambda: self.process_index == index or self.num_processes == 1,
+        )
+
+    def on_local_process(
+        self,
+        function: Callable | int | None = None,
+        local_process_index: int | None = None,
+        *,
+        local_process_idx: int | None = None,
+    ) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function runs on
+        the process with this local index on every node (in a job of one process, whatever the
+        index, as on_process); elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate; or the index itself, as in
+                `@state.on_local_process(0)`; or None, with the index as a keyword.
+            local_process_index: the index, on its node, of the process that runs it.
+            local_process_idx: the same, under the other name Accelerate's guides use.
+
+        Raises:
+            ConfigurationError: without an index, or with one that is not an int >= 0.
+        """
+        if isinstance(function, int) and not isinstance(function, bool):
+            function, local_process_index = None, function
+        if local_process_index is None:
+            local_process_index = local_process_idx
+        index = _required_index(local_process_index, "on_local_process", "local_process_index")
+        return self._run_if(
+            function,  # type: ignore[arg-type]
+            lambda: self.local_process_index == index or self.num_processes == 1,
+        )
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Not collective (it waits for no other rank), though every rank of the group should
+        call it before it exits. Destroys the process group; a no-op when there is none.
+
+        Args:
+            group: the torch.distributed group to destroy; None: the default group (then the
+                state's `backend` becomes None).
+        """
+        distributed.destroy_process_group(group)
+        if group is None:
+            self._shared_state["backend"] = None
+
+
+_PARTIAL_ATTRIBUTES = frozenset(PartialState.__annotations__)
+
+
+def _required_index(value: int | None, method: str, name: str) -> int:
+    if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(
+            f"{method}() needs {name}=<int >= 0>, got {value!r}",
+            f"use it as @state.{method}({name}=0).",
+        )
+    return value
 
 
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
@@ -58,9 +499,23 @@ class AcceleratorState:
     from `parallelism_config`, else from the nodes for HYBRID_SHARD). The plugins of engines
     mpaccel does not drive (DeepSpeed, Megatron-LM, tensor parallelism) must be None: anything
     else is a ConfigurationError.
+
+    Args:
+        mixed_precision: "no", "fp16" or "bf16" (or a PrecisionType); None: the variable
+            MPACCEL_MIXED_PRECISION or ACCELERATE_MIXED_PRECISION, else "no". Once set,
+            another value is a ConfigurationError until _reset_state().
+        cpu: run on the CPU even when GPUs are visible (PartialState's).
+        dynamo_plugin: the TorchDynamoPlugin prepared models are compiled with; None: the
+            default one.
+        deepspeed_plugin: must be None.
+        fsdp_plugin: a FullyShardedDataParallelPlugin to shard models with.
+        torch_tp_plugin: must be None.
+        megatron_lm_plugin: must be None.
+        parallelism_config: a ParallelismConfig giving the shape of the FSDP mesh.
+        **kwargs: PartialState's: InitProcessGroupKwargs' backend, init_method, timeout.
     """
 
-    _shared_state: dict[str, Any] = TRAINING_STATE
+    _shared_state: dict[str, Any] = {}
 
     def __init__(
         self,
@@ -92,7 +547,7 @@ class AcceleratorState:
             requested = mixed_precision or _env.get_choice("mixed_precision")
             fsdp_plugin = sharding.choose_plugin(fsdp_plugin, parallelism_config)
         except ConfigurationError as exc:
-            _discover(DEFAULT_TIMEOUT, exc)
+            discover_once(DEFAULT_TIMEOUT, exc)
             raise
         if requested is not None:
             requested = str(getattr(requested, "value", requested)).lower()
@@ -180,11 +635,20 @@ class AcceleratorState:
     # process's PartialState, not this state's: they keep working after _reset_state() (its
     # scripts reset, then call accelerator.is_local_main_process or state.destroy_process_group).
     def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
-        """Collective; see PartialState.wait_for_everyone."""
+        """Collective: every rank must call it; see PartialState.wait_for_everyone.
+
+        Args:
+            timeout: how long to wait, in seconds or as a timedelta; None: the state's.
+        """
         PartialState().wait_for_everyone(timeout)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """See PartialState.print."""
+        """Not collective. print() on the local main process only; see PartialState.print.
+
+        Args:
+            *args: what print() prints.
+            **kwargs: print()'s keywords.
+        """
         PartialState().print(*args, **kwargs)
 
     use_distributed = _partials("use_distributed")
@@ -194,7 +658,11 @@ class AcceleratorState:
     fork_launched = _partials("fork_launched")
 
     def destroy_process_group(self, group: Any = None) -> None:
-        """See PartialState.destroy_process_group."""
+        """Not collective; see PartialState.destroy_process_group.
+
+        Args:
+            group: the torch.distributed group to destroy; None: the default group.
+        """
         PartialState().destroy_process_group(group)
 
     def main_process_first(self) -> AbstractContextManager[None]:
@@ -208,7 +676,12 @@ class AcceleratorState:
     def split_between_processes(
         self, inputs: Any, apply_padding: bool = False
     ) -> AbstractContextManager[Any]:
-        """Not collective; see PartialState.split_between_processes."""
+        """Not collective; see PartialState.split_between_processes.
+
+        Args:
+            inputs: a list, tuple, tensor, numpy array or datasets.Dataset, or a dict of those.
+            apply_padding: fill shorter shares up with the last item.
+        """
         return PartialState().split_between_processes(inputs, apply_padding)
 
     @property
@@ -224,7 +697,14 @@ class AcceleratorState:
         return None
 
     def get_deepspeed_plugin(self, name: str) -> Any:
-        """The DeepSpeed plugin registered under `name` (mpaccel registers none)."""
+        """Not collective. The DeepSpeed plugin registered under `name`.
+
+        Args:
+            name: the plugin's name.
+
+        Raises:
+            ConfigurationError: always, as mpaccel does not drive DeepSpeed and registers none.
+        """
         try:
             return self.deepspeed_plugins[name]
         except KeyError:
@@ -233,7 +713,14 @@ class AcceleratorState:
             ) from None
 
     def select_deepspeed_plugin(self, name: str | None = None) -> None:
-        """Activate the DeepSpeed plugin `name` (mpaccel registers none)."""
+        """Not collective. Activates the DeepSpeed plugin `name`.
+
+        Args:
+            name: the plugin's name.
+
+        Raises:
+            ConfigurationError: always, as mpaccel does not drive DeepSpeed and registers none.
+        """
         self.get_deepspeed_plugin(name)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -274,7 +761,12 @@ def is_initialized() -> bool:
 
 
 class GradientState:
-    """Gradient synchronisation state for accumulation (shared state)."""
+    """Gradient synchronisation state for accumulation (shared state). Not collective.
+
+    Args:
+        gradient_accumulation_plugin: its settings (num_steps, adjust_scheduler,
+            sync_with_dataloader, sync_each_batch) replace the state's; None keeps them.
+    """
 
     _shared_state: dict[str, Any] = {}
 

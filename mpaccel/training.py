@@ -59,7 +59,11 @@ def warn_fp16_on_cpu(mixed_precision: str, device: torch.device) -> None:
 
 
 def is_compiled_module(module: Any) -> bool:
-    """`module` is torch.compile's wrapper (an OptimizedModule)."""
+    """Not collective. Whether `module` is torch.compile's wrapper (an OptimizedModule).
+
+    Args:
+        module: any object.
+    """
     # torch imports its compiler only when something is compiled: no compiled module without it
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
@@ -74,7 +78,12 @@ def is_regionally_compiled(module: Any) -> bool:
 
 
 def has_compiled_regions(module: torch.nn.Module) -> bool:
-    """`module` has submodules, and one of them (or `module`) is torch.compile's wrapper."""
+    """Not collective. Whether `module` has submodules and one of them (or `module`) is
+    torch.compile's wrapper.
+
+    Args:
+        module: a torch module.
+    """
     return bool(module._modules) and any(is_compiled_module(m) for m in module.modules())
 
 
@@ -111,11 +120,18 @@ def _compiled_regions(module: torch.nn.Module, compile_kwargs: dict[str, Any]) -
 
 
 def compile_regions(module: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.Module:
-    """Regional compilation: each block of a repeated ModuleList (a transformer's layers)
-    compiled on its own with torch.compile(block, **compile_kwargs), and the rest of the model
-    compiled in the largest pieces holding no such list; a model without one is compiled whole.
-    Returns a new module sharing `module`'s parameters (`module` itself is unchanged and is the
-    result's `_orig_mod`). Not collective."""
+    """Not collective. Regional compilation: each block of a repeated ModuleList (a
+    transformer's layers) compiled on its own, and the rest of the model compiled in the largest
+    pieces holding no such list; a model without one is compiled whole.
+
+    Args:
+        module: the model.
+        **compile_kwargs: passed to each torch.compile call.
+
+    Returns:
+        A new module sharing `module`'s parameters; `module` itself is unchanged and is the
+        result's `_orig_mod`.
+    """
     return _compiled_regions(module, compile_kwargs)
 
 

@@ -61,7 +61,7 @@ def test_a_failed_first_state_leaves_nothing_half_built(comm, monkeypatch):
     def no_gpu_here(*args):
         raise LaunchError("no GPU for this rank", "a hint")
 
-    monkeypatch.setattr("mpaccel.partial_state.current_device", no_gpu_here)
+    monkeypatch.setattr("mpaccel.state.current_device", no_gpu_here)
     with pytest.raises(LaunchError):
         PartialState()
     assert not PartialState._shared_state  # not initialised, so the next try starts over

@@ -49,14 +49,14 @@ def _world_size_from_launcher() -> int:
 
 
 def _discover_job() -> Discovery:
-    """Collective over COMM_WORLD: mpaccel's discovery (partial_state._discover), at configure time.
+    """Collective over COMM_WORLD: mpaccel's discovery (state.discover_once), at configure time.
 
     Discovery duplicates COMM_WORLD, a blocking collective that a waiting rank cannot abandon:
     inside a test, a rank that failed before its first PartialState() would leave the others
     there until the deadline. Done here, every rank takes part, and tests only ever reuse it
     (reset_state keeps discovery, as does AcceleratorState._reset_state). Its launch checks
     (silent singletons: the launcher says N, MPI sees 1) become a usage error on every rank."""
-    from .. import partial_state as state
+    from .. import state
     from ..errors import ConfigurationError, LaunchError
 
     timeout, problem = state.DEFAULT_TIMEOUT, None
@@ -65,7 +65,7 @@ def _discover_job() -> Discovery:
     except ConfigurationError as exc:  # raised on every rank by discovery, naming this one
         problem = exc
     try:
-        return state._discover(timeout, problem)
+        return state.discover_once(timeout, problem)
     except (LaunchError, ConfigurationError) as exc:
         # The same error on every rank; a real world prints it once, from rank 0, while every
         # silent singleton is a rank 0 of its own and prints it.

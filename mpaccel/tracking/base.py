@@ -17,9 +17,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def on_main_process(method: F) -> F:
-    """Run a tracker method on the main process only when the tracker's `main_process_only`
-    is true (elsewhere it returns None). Read when called, not when the tracker is built:
-    a tracker object may exist before the Accelerator, as in Accelerate."""
+    """Not collective (the process is checked at each call). Decorator: a tracker method runs
+    on the main process only when the tracker's `main_process_only` is true (elsewhere it
+    returns None). Read when called, not when the tracker is built: a tracker object may
+    exist before the Accelerator, as in Accelerate.
+
+    Args:
+        method: the tracker method to decorate.
+    """
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -42,6 +47,10 @@ class GeneralTracker:
 
     The Accelerator builds and calls trackers on the main process only; elsewhere
     `get_tracker()` returns a blank one (`GeneralTracker(_blank=True)`) whose methods do nothing.
+    Its methods are not collective.
+
+    Raises:
+        NotImplementedError: when a subclass lacks `name` or `requires_logging_directory`.
     """
 
     name: str
@@ -64,21 +73,36 @@ class GeneralTracker:
         return None
 
     def start(self) -> None:
-        """Open the run (called by `init_trackers`, after construction)."""
+        """Not collective. Opens the run (called by `init_trackers`, after construction)."""
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
-        """Record the run's hyperparameters."""
+        """Not collective. Records the run's hyperparameters.
+
+        Args:
+            values: hyperparameter name -> value (numbers, strings, bools, ...).
+        """
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        """Record `values` (name -> number, string, ...) at `step`."""
+        """Not collective. Records `values` at `step`.
+
+        Args:
+            values: name -> value (a number, a one-element tensor, a string, ...; what a
+                tracker cannot log it skips with a warning).
+            step: the step the values belong to; None: the tracker's own count.
+            **kwargs: passed on to the tracker library's logging call.
+        """
 
     def finish(self) -> None:
-        """Flush and close."""
+        """Not collective. Flushes and closes the run."""
 
 
 def number(value: Any) -> int | float | None:
-    """`value` as a Python number if it holds one: int, float, bool, a one-element torch
-    tensor or numpy array, a numpy scalar. Else None."""
+    """Not collective. `value` as a Python number if it holds one, else None.
+
+    Args:
+        value: an int, float, bool, one-element torch tensor or numpy array, numpy scalar (a
+            number), or anything else (None).
+    """
     if isinstance(value, (int, float)):
         return value
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -91,9 +115,14 @@ def number(value: Any) -> int | float | None:
 
 
 def numbers_only(tracker: str, values: Mapping[str, Any]) -> dict[str, int | float]:
-    """The entries of `values` that are numbers (see `number`); the others are skipped with a
-    warning (once per key and type): a logging call does not end a training run, where the
-    main process alone would stop and leave the others waiting."""
+    """Not collective. The entries of `values` that are numbers (see `number`); the others are
+    skipped with a warning: a logging call does not end a training run, where the main process
+    alone would stop and leave the others waiting.
+
+    Args:
+        tracker: the tracker's name, for the warning.
+        values: name -> value.
+    """
     kept: dict[str, int | float] = {}
     for key, value in values.items():
         converted = number(value)
@@ -105,6 +134,14 @@ def numbers_only(tracker: str, values: Mapping[str, Any]) -> dict[str, int | flo
 
 
 def skipped(tracker: str, key: str, value: Any, takes: str) -> None:
+    """Not collective. Warns that `tracker` skipped the value logged under `key`.
+
+    Args:
+        tracker: the tracker's name.
+        key: the name the value was logged under.
+        value: the value (its type is named).
+        takes: what the tracker logs instead, in words.
+    """
     warnings.warn(
         f"{tracker} cannot log {key!r} (a {type(value).__name__}): skipped; it logs {takes}",
         MpaccelRuntimeWarning,

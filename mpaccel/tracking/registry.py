@@ -51,7 +51,12 @@ def _installed(module: str) -> bool:
 
 
 def is_available(name: str) -> bool:
-    """Whether the tracker called `name` can be built here (registered ones always can)."""
+    """Not collective. Whether the tracker called `name` can be built here (registered ones
+    always can).
+
+    Args:
+        name: a tracker's name ("tensorboard", "wandb", ...).
+    """
     packages = _PACKAGES.get(name)
     if packages is None:
         return name in LOGGER_TYPE_TO_CLASS
@@ -59,14 +64,23 @@ def is_available(name: str) -> bool:
 
 
 def get_available_trackers() -> list[str]:
-    """The names of the built-in trackers whose package is installed (Accelerate's name)."""
+    """Not collective. The names of the built-in trackers whose package is installed."""
     return [name for name in _PACKAGES if is_available(name)]
 
 
 def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
-    """Make `log_with="<tracker_class.name>"` build `tracker_class`: called as
-    `tracker_class(project_name, [logging_dir,] **init_kwargs[name])` by `init_trackers`.
-    Register before creating the Accelerator."""
+    """Not collective, but do it on every process, before creating the Accelerator. Makes
+    `log_with="<tracker_class.name>"` build `tracker_class`, called as
+    `tracker_class(project_name, [logging_dir,] **init_kwargs[name])` by `init_trackers`; a
+    class registered under a taken name replaces it, with a warning.
+
+    Args:
+        tracker_class: a GeneralTracker subclass that sets `name` and
+            `requires_logging_directory`.
+
+    Raises:
+        ValueError: for anything else.
+    """
     if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
         raise ValueError(
             f"register_tracker_class needs a GeneralTracker subclass, got {tracker_class!r}"
@@ -91,10 +105,20 @@ def _name(item: Any) -> str:
 
 
 def resolve(log_with: Any) -> list[GeneralTracker | str]:
-    """`log_with` (None, a name, a GeneralTracker, or a list of these) checked when the
-    Accelerator is created, on every process: an unknown name is a ConfigurationError; a
-    known one whose package is missing is left out with a warning (on the main process,
-    once per name), as Accelerate runs on without it; "all" is every available one."""
+    """Not collective (every process checks alike, when the Accelerator is created). The
+    trackers `log_with` asks for: a known name whose package is missing is left out with a
+    warning (on the main process, once per name), as Accelerate runs on without it.
+
+    Args:
+        log_with: None, a name or LoggerType ("all": every available one), a GeneralTracker
+            object, or a list of these.
+
+    Returns:
+        The tracker objects and the names of the available trackers, each name once.
+
+    Raises:
+        ConfigurationError: for an unknown name.
+    """
     if log_with is None:
         return []
     items = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
@@ -153,8 +177,19 @@ def start(
     logging_dir: str | None,
     init_kwargs: Mapping[str, Mapping[str, Any]],
 ) -> list[GeneralTracker]:
-    """Build the named trackers, then start every one (main process only: the caller decides).
-    Tracker objects given to log_with are started as they are."""
+    """Not collective (the main process calls it: the caller decides). Builds the named
+    trackers, then starts every one; tracker objects given to log_with are started as they
+    are.
+
+    Args:
+        wanted: what `resolve` returned.
+        project_name: the run's (project's) name, each tracker's first argument.
+        logging_dir: the directory the file-writing trackers write under.
+        init_kwargs: tracker name -> keyword arguments for its constructor.
+
+    Returns:
+        The started trackers.
+    """
     trackers: list[GeneralTracker] = []
     for item in wanted:
         if isinstance(item, GeneralTracker):
@@ -172,8 +207,17 @@ def start(
 
 
 def check_logging_dir(wanted: Sequence[GeneralTracker | str], logging_dir: str | None) -> None:
-    """A ConfigurationError if a named tracker among `wanted` writes files and `logging_dir`
-    is None (pure: every process can check, and all raise alike)."""
+    """Not collective (pure: every process can check, and all raise alike). Refuses a missing
+    logging directory where a named tracker writes files.
+
+    Args:
+        wanted: what `resolve` returned.
+        logging_dir: the Accelerator's logging directory, or None.
+
+    Raises:
+        ConfigurationError: when a named tracker among `wanted` writes files and
+            `logging_dir` is None.
+    """
     names = _needs_logging_dir(wanted)
     if names and logging_dir is None:
         raise ConfigurationError(
@@ -184,7 +228,12 @@ def check_logging_dir(wanted: Sequence[GeneralTracker | str], logging_dir: str |
 
 
 def filter_trackers(log_with: Any, logging_dir: str | None = None) -> list[GeneralTracker | str]:
-    """Accelerate's name for `resolve` followed by `check_logging_dir`."""
+    """Not collective. Accelerate's name for `resolve` followed by `check_logging_dir`.
+
+    Args:
+        log_with: as for `resolve`.
+        logging_dir: as for `check_logging_dir`.
+    """
     wanted = resolve(log_with)
     check_logging_dir(wanted, logging_dir)
     return wanted

@@ -36,19 +36,30 @@ def find_executable_batch_size(
     starting_batch_size: int = 128,
     reduce_batch_size_fn: Callable[[], int] | None = None,
 ) -> Callable:
-    """Decorator: call `function(batch_size, *args, **kwargs)` with `starting_batch_size`, and
-    again with a smaller one (0.9 times, or what `reduce_batch_size_fn()` returns: it is
-    called on every rank) while it fails with an out-of-memory error; `function` starts over
-    each time (build the model and loaders inside it).
+    """Collective: every rank must call the decorated function (decorating is not collective).
+    Calls `function(batch_size, *args, **kwargs)` with `starting_batch_size`, and again with a
+    smaller one while it fails with an out-of-memory error; `function` starts over each time
+    (build the model and loaders inside it).
 
-    Collective: every rank must call the decorated function. After each attempt the ranks
-    agree, over MPI, on its outcome: if any rank ran out of memory, every rank tries again
-    with the same smaller batch size (the smallest any rank would use), so that no rank goes
-    on alone into collectives the others left. Any other error ends the attempt on every rank
-    (the same CollectiveError everywhere, naming the rank), as does reaching batch size 0. A
+    After each attempt the ranks agree, over MPI, on its outcome: if any rank ran out of
+    memory, every rank tries again with the same smaller batch size (the smallest any rank
+    would use), so that no rank goes on alone into collectives the others left. Any other error
+    ends the attempt on every rank (the same CollectiveError everywhere, naming the rank). A
     rank that runs out of memory inside a data-plane collective (DDP's all-reduce) leaves the
     others waiting there until the process group's timeout: out-of-memory errors usually
-    strike every rank in the same forward pass, before the first all-reduce."""
+    strike every rank in the same forward pass, before the first all-reduce.
+
+    Args:
+        function: the function to decorate; None when used as
+            `@find_executable_batch_size(starting_batch_size=...)`.
+        starting_batch_size: the first batch size tried.
+        reduce_batch_size_fn: called (on every rank) for the next batch size after an
+            out-of-memory error; default: 0.9 times the last one.
+
+    Raises:
+        ConfigurationError: when the batch size reaches 0 (nothing fits in memory).
+        CollectiveError: on every rank, when an attempt failed on any rank with another error.
+    """
     if function is None:
         return functools.partial(
             find_executable_batch_size,

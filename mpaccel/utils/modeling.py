@@ -28,10 +28,14 @@ def _device() -> torch.device:
 
 
 def get_grad_scaler(distributed_type: DistributedType | None = None, **kwargs: Any) -> Any:
-    """A new GradScaler (GradScalerKwargs' arguments in `kwargs`) for this process's device
-    type: CUDA on GPUs, CPU on CPUs (where Accelerate's is a CUDA scaler that disables
-    itself). With distributed_type=DistributedType.FSDP, torch's ShardedGradScaler. Not
-    collective."""
+    """Not collective. A new GradScaler for this process's device type: CUDA on GPUs, CPU on
+    CPUs (where Accelerate's is a CUDA scaler that disables itself).
+
+    Args:
+        distributed_type: DistributedType.FSDP for torch's ShardedGradScaler; anything else
+            (None by default) for the plain one.
+        **kwargs: GradScalerKwargs' arguments, passed to the scaler.
+    """
     device = _device()
     if distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -43,9 +47,14 @@ def get_grad_scaler(distributed_type: DistributedType | None = None, **kwargs: A
 def get_mixed_precision_context_manager(
     native_amp: bool = False, autocast_kwargs: AutocastKwargs | None = None
 ) -> AbstractContextManager:
-    """The autocast context of AcceleratorState's mixed_precision on its device (what prepared
-    models run under) when `native_amp`, else a null context. `autocast_kwargs`: its options.
-    Creates the AcceleratorState if there is none (collective then, as AcceleratorState())."""
+    """Not collective, except that it creates the AcceleratorState if there is none (collective
+    then, as AcceleratorState() is). The autocast context prepared models run under.
+
+    Args:
+        native_amp: False gives a null context; True the autocast context of
+            AcceleratorState's mixed_precision on its device.
+        autocast_kwargs: the autocast options (AutocastKwargs), or None for the defaults.
+    """
     if not native_amp:
         return nullcontext()
     from ..state import AcceleratorState
@@ -56,8 +65,12 @@ def get_mixed_precision_context_manager(
 
 
 def is_peft_model(model: Any) -> bool:
-    """`model`, out of its DistributedDataParallel, is a peft PeftModel (a compiled one is not,
-    as in Accelerate); False where peft is not installed."""
+    """Not collective. Whether `model`, out of its DistributedDataParallel, is a peft PeftModel
+    (a compiled one is not, as in Accelerate); False where peft is not installed.
+
+    Args:
+        model: a module, wrapped or not.
+    """
     if not is_peft_available():
         return False
     from peft import PeftModel
@@ -70,9 +83,18 @@ def get_max_layer_size(
     module_sizes: dict[str, int],
     no_split_module_classes: list[str],
 ) -> tuple[int, list[str]]:
-    """(largest size, the names of the layers that have it) among the layers inside `modules`
-    (named modules): a layer is a module without children, or one whose class name is in
-    `no_split_module_classes`; its size is `module_sizes[name]`. Pure."""
+    """Not collective. The largest layer size among the layers inside `modules`, and the names
+    of the layers that have it.
+
+    Args:
+        modules: (name, module) pairs to search.
+        module_sizes: each layer's size, by its dotted name.
+        no_split_module_classes: class names of modules counted as one layer even with
+            children (any module without children is one).
+
+    Returns:
+        (largest size, [names of the layers of that size]).
+    """
     largest, names = 0, []
     pending = list(modules)
     while pending:

@@ -17,15 +17,23 @@ def extract_model_from_parallel(
     keep_torch_compile: bool = True,
     recursive: bool = False,
 ) -> Any:
-    """The user's module inside DistributedDataParallel and torch.compile's wrapper (see
-    Accelerator.unwrap_model). Not collective. `recursive` (Accelerate's, for wrappers around
-    submodules, which mpaccel never puts there) is accepted and changes nothing."""
+    """Not collective. The user's module inside DistributedDataParallel and torch.compile's
+    wrapper (as Accelerator.unwrap_model).
+
+    Args:
+        model: a module, wrapped or not.
+        keep_fp32_wrapper: keep the forward that converts mixed-precision outputs to float32.
+        keep_torch_compile: keep torch.compile's wrapper (else return the module inside it).
+        recursive: Accelerate's, for wrappers around submodules, which mpaccel never puts
+            there: accepted and changes nothing.
+    """
     del recursive
     return _unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
 
 def wait_for_everyone() -> None:
-    """Collective: every rank must call it; returns once all have (PartialState's barrier)."""
+    """Collective: every rank must call it; returns once all have (PartialState's barrier,
+    with its default timeout)."""
     from ..state import PartialState
 
     PartialState().wait_for_everyone()
@@ -35,15 +43,24 @@ def wait_for_everyone() -> None:
 
 
 def get_pretty_name(obj: Any) -> str:
-    """The qualified name of `obj` (a class or function), of its class for an instance."""
+    """Not collective. The qualified name of `obj`.
+
+    Args:
+        obj: a class or function, or an instance (then its class's name).
+    """
     if not hasattr(obj, "__qualname__") and not hasattr(obj, "__name__"):
         obj = getattr(obj, "__class__", obj)
     return str(getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or obj)
 
 
 def merge_dicts(source: dict, destination: dict) -> dict:
-    """`source` merged into `destination` (changed in place, and returned): nested dicts are
-    merged key by key, any other value of `source` replaces `destination`'s."""
+    """Not collective. `source` merged into `destination`: nested dicts are merged key by key,
+    any other value of `source` replaces `destination`'s.
+
+    Args:
+        source: the dict whose entries win.
+        destination: the dict changed in place, and returned.
+    """
     for key, value in source.items():
         if isinstance(value, dict):
             merge_dicts(value, destination.setdefault(key, {}))
@@ -53,12 +70,25 @@ def merge_dicts(source: dict, destination: dict) -> dict:
 
 
 def recursive_getattr(obj: Any, attr: str) -> Any:
-    """`obj.a.b.c` for attr='a.b.c' (AttributeError as getattr raises it)."""
+    """Not collective. `obj.a.b.c` for attr="a.b.c".
+
+    Args:
+        obj: where the lookup starts.
+        attr: attribute names joined by dots.
+
+    Raises:
+        AttributeError: as getattr raises it, for the first name that is missing.
+    """
     return functools.reduce(getattr, attr.split("."), obj)
 
 
 def convert_bytes(size: float) -> str:
-    """`size` bytes in the largest unit (of 1024) that keeps it under 1024: '1.5 KB'."""
+    """Not collective. `size` bytes in the largest unit (of 1024) that keeps it under 1024,
+    e.g. "1.5 KB".
+
+    Args:
+        size: a number of bytes.
+    """
     for unit in ("bytes", "KB", "MB", "GB", "TB"):
         if size < 1024.0:
             return f"{round(size, 2)} {unit}"
@@ -67,7 +97,11 @@ def convert_bytes(size: float) -> str:
 
 
 def are_libraries_initialized(*library_names: str) -> list[str]:
-    """Those of `library_names` that are imported in this process already."""
+    """Not collective. Those of `library_names` that are imported in this process already.
+
+    Args:
+        *library_names: top-level module names, e.g. "torch_xla".
+    """
     return [name for name in library_names if name in sys.modules]
 
 

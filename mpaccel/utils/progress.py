@@ -48,11 +48,21 @@ LINE_EVERY_SECONDS = 30.0
 
 
 def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
-    """A tqdm progress bar (`tqdm(iterable, desc=..., total=...)`), shown by the main process
-    only (`main_process_only=False`: by every process). Accelerate shows one per node; under
-    mpiexec and srun every node's output reaches the same terminal or log, so one per job.
-    How it shows is MPACCEL_PROGRESS's choice (module docstring); `disable=True` hides it.
-    Needs the `tqdm` package."""
+    """Not collective. A tqdm progress bar, shown by the main process only by default.
+    Accelerate shows one per node; under mpiexec and srun every node's output reaches the same
+    terminal or log, so one per job. How it shows is MPACCEL_PROGRESS's choice (module
+    docstring). Needs the `tqdm` package.
+
+    Args:
+        *args: tqdm's positional arguments (the iterable first).
+        main_process_only: show it on the main process only; False: on every process.
+        **kwargs: tqdm's keyword arguments (desc=, total=, ...); `disable=True` hides it.
+
+    Raises:
+        ImportError: when tqdm is not installed.
+        ValueError: when the first argument is a bool (Accelerate's old positional
+            main_process_only): pass it as a keyword.
+    """
     try:
         from tqdm.auto import tqdm as live_bar
     except ImportError as exc:

@@ -17,12 +17,16 @@ from ..rng import synchronize_with as synchronize_with
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
-    """Seed python's `random`, numpy and torch (every device) with `seed`.
+    """Not collective, except that `device_specific` sets up the PartialState if there is none
+    (collective then, as the first PartialState() is). Seeds python's `random`, numpy and
+    torch (every device) with `seed`.
 
-    `device_specific`: each process adds its index to the seed, so that ranks draw differently
-    (this sets up the PartialState: collective the first time, like any PartialState()).
-    `deterministic`: also make torch use deterministic algorithms only
-    (torch.use_deterministic_algorithms(True))."""
+    Args:
+        seed: the seed (numpy receives it modulo 2**32).
+        device_specific: add this process's index to the seed, so that ranks draw differently.
+        deterministic: also make torch use deterministic algorithms only
+            (torch.use_deterministic_algorithms(True)).
+    """
     if device_specific:
         from ..state import PartialState
 
@@ -37,10 +41,17 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 def synchronize_rng_states(
     rng_types: list[Any], generator: torch.Generator | None = None
 ) -> None:
-    """Collective: every rank calls it. Give every rank rank 0's state of each random generator
-    named in `rng_types` ("torch": torch's global one; "cuda" (or another device kind): the
-    current device's; "generator": `generator`), broadcast over MPI. A name that cannot be
-    synchronised here fails on every rank with the same CollectiveError."""
+    """Collective: every rank calls it. Gives every rank rank 0's state of each random
+    generator named in `rng_types`, broadcast over MPI.
+
+    Args:
+        rng_types: the generators, by name or RNGType: "torch" (torch's global one), "cuda"
+            (or another device kind: the current device's), "generator" (`generator`).
+        generator: the torch.Generator that "generator" names.
+
+    Raises:
+        CollectiveError: on every rank, when a name cannot be synchronised here (on any rank).
+    """
     from ..state import PartialState
 
     comm = PartialState().comm
@@ -51,5 +62,10 @@ def synchronize_rng_states(
 
 
 def synchronize_rng_state(rng_type: Any = None, generator: torch.Generator | None = None) -> None:
-    """Collective: `synchronize_rng_states([rng_type], generator)`."""
+    """Collective: every rank calls it. `synchronize_rng_states([rng_type], generator)`.
+
+    Args:
+        rng_type: one generator's name or RNGType (see synchronize_rng_states).
+        generator: the torch.Generator that "generator" names.
+    """
     synchronize_rng_states([rng_type], generator)
