@@ -1,5 +1,6 @@
-"""Accelerator: the facade users hold. It composes the state objects, the data loaders, the
-checkpoint layer and the trackers, and delegates to them.
+"""Accelerator: the facade users hold. It composes the state objects, the parallelism strategy
+(mpaccel.strategy, picked once by AcceleratorState), the data loaders, the checkpoint layer and
+the trackers, and delegates to them; it never switches on the kind of distributed set-up.
 
 One class in one file, past 600 lines, as Accelerate's and Lightning Fabric's (fabric.py): its
 members are Accelerate's API, each a few lines that hand the work down; splitting them by
@@ -49,6 +50,7 @@ from .prepare import build as build_prepared
 from .prepared_loader import PreparedLoader
 from .samplers import ShardedBatchSampler
 from .state import AcceleratorState, GradientState, PartialState
+from .strategy import Strategy
 from .training import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
@@ -67,18 +69,6 @@ _SET_CONFIG = (
     "pass Accelerator(fsdp_plugin=..., parallelism_config=ParallelismConfig("
     "dp_replicate_size=..., dp_shard_size=...))."
 )
-
-
-def _prepared_before(model: torch.nn.Module, sharded: bool) -> bool:
-    """`model` is what a prepare() made (DDP; a sharded model under FSDP): preparing it again
-    would wrap a DDP in another, or shard the shards."""
-    if distributed.ddp_of(model) is not None:
-        return True
-    if not sharded:
-        return False
-    from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
-
-    return fsdp.fsdp_module(model) is not None
 
 
 class Accelerator(CheckpointMethods):
@@ -334,7 +324,13 @@ class Accelerator(CheckpointMethods):
         process, as Accelerate's without a ParallelismConfig."""
         return self.is_local_main_process
 
-    # -- the parallel layout ----------------------------------------------------------------------
+    # -- the parallel layout (the strategy's) ---------------------------------------------------
+
+    @property
+    def strategy(self) -> Strategy:
+        """How models are parallelised (mpaccel.strategy), picked once by AcceleratorState: the
+        Accelerator asks it, never which one it is."""
+        return self.state.strategy
 
     def _mesh_rank(self, dim: str, what: str) -> int:
         """This rank's index along the mesh dimension `dim` ('dp_replicate', 'dp_shard', 'tp'), 0
@@ -346,9 +342,7 @@ class Accelerator(CheckpointMethods):
             raise RuntimeError(with_hint(message, _SET_CONFIG))
         if not getattr(config, f"{dim}_enabled"):
             return 0
-        mesh = self.state.device_mesh
-        assert mesh is not None  # a dimension > 1 needs an fsdp_plugin, which built the mesh
-        return int(mesh.get_local_rank(dim))
+        return self.strategy.mesh_rank(dim)
 
     @property
     def is_fsdp2(self) -> bool:
@@ -567,22 +561,13 @@ class Accelerator(CheckpointMethods):
             )
         prepared: list[Any] = list(args)
         kinds = (torch.nn.Module, torch.optim.Optimizer, DataLoader)
-        detached: list[Any] = []
-        if self.state.fsdp_plugin is not None:  # the optimizers must not pin the whole tensors
-            from . import sharding
-
-            optimizers = [getattr(o, "optimizer", o) for o in args if _is_optimizer(o)]
-            models = [m for m in args if isinstance(m, torch.nn.Module)]
-            if not models:
-                sharding.check_optimizers(optimizers, self._models)
-            detached = sharding.detach_optimizers(models, optimizers)
-        for index, obj in enumerate(args):  # schedulers need the prepared optimizers first
-            if isinstance(obj, kinds):
-                prepared[index] = self._prepare_one(obj, device_placement[index])
-        if detached:
-            from . import sharding
-
-            sharding.attach_optimizers(detached)
+        optimizers = [getattr(o, "optimizer", o) for o in args if _is_optimizer(o)]
+        models = [m for m in args if isinstance(m, torch.nn.Module)]
+        # under FSDP, the optimizers must not pin the whole tensors while they are sharded
+        with self.strategy.optimizers_follow(models, optimizers, self._models):
+            for index, obj in enumerate(args):  # schedulers need the prepared optimizers first
+                if isinstance(obj, kinds):
+                    prepared[index] = self._prepare_one(obj, device_placement[index])
         for index, obj in enumerate(args):
             if _is_scheduler(obj):
                 prepared[index] = self.prepare_scheduler(obj)
@@ -616,29 +601,15 @@ class Accelerator(CheckpointMethods):
                     model
                 )
                 return model if compiled else prepared
-        if _prepared_before(model, self.state.fsdp_plugin is not None):
+        if self.strategy.is_prepared(model):
             self._models.append(model)  # by a prepare() before free_memory(), as Trainer does
             return model
         placement = device_placement if device_placement is not None else self.device_placement
-        if self.state.fsdp_plugin is not None:  # collective: fully_shard in place
-            from . import sharding
-
-            model = sharding.shard_model(
-                model, self.state.fsdp_plugin, self.state.device_mesh, self._partial.comm,
-                self.device, placement,
-            )  # fmt: skip
-        elif placement:
-            model = model.to(self.device)
+        model = self.strategy.place(model, placement)  # collective under FSDP (fully_shard)
         patch_forward(model, self.mixed_precision, self.device, self._autocast_options())
+        if any(p.requires_grad for p in model.parameters()) and not evaluation_mode:
+            model = self.strategy.wrap(model, self.ddp_handler)
         self._models.append(model)
-        trainable = any(p.requires_grad for p in model.parameters())
-        ddp = self.state.fsdp_plugin is None and self.num_processes > 1
-        if ddp and trainable and not evaluation_mode:
-            options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
-            model = distributed.wrap_ddp(model, self.device, **options)
-            if self.ddp_handler is not None:
-                self.ddp_handler.register_comm_hook(model)
-            self._models[-1] = model
         plugin = self.state.dynamo_plugin
         if plugin.backend != DynamoBackend.NO:
             # Only the user's copy is compiled: checkpoints work on the model kept in _models,
@@ -697,8 +668,8 @@ class Accelerator(CheckpointMethods):
         shard = build_prepared(
             data_loader,
             device=self.device if place else None,
-            num_processes=self.num_processes,
-            process_index=self.process_index,
+            num_processes=self.strategy.data_parallel_size,
+            process_index=self.strategy.data_parallel_rank,
             world=(self.num_processes, self.process_index),
             split_batches=config.split_batches,
             put_on_device=place,
@@ -727,10 +698,7 @@ class Accelerator(CheckpointMethods):
         loaders' setting inside the block (False: no repeated samples, uneven batches); Join
         is enabled only when batches are uneven. Does nothing in a world of one, and warns
         (UserWarning) and does nothing for set-ups other than DDP on CPUs or GPUs."""
-        if self.num_processes == 1 or self.distributed_type not in (
-            DistributedType.MULTI_CPU,
-            DistributedType.MULTI_GPU,
-        ):
+        if not self.strategy.joins_uneven_inputs(self.distributed_type):
             if self.distributed_type != DistributedType.NO:
                 warnings.warn(
                     f"joining uneven inputs is only supported for multi-GPU and multi-CPU "
@@ -805,16 +773,7 @@ class Accelerator(CheckpointMethods):
         """Gradients computed in this block are not all-reduced (DDP, compiled or not) nor
         reduce-scattered (FSDP: each rank accumulates whole gradients until the next
         synchronising backward); a no-op otherwise."""
-        ddp = distributed.ddp_of(model)
-        if ddp is not None:
-            with ddp.no_sync():
-                yield
-        elif self.state.fsdp_plugin is not None:
-            from . import fsdp
-
-            with fsdp.no_gradient_sync(model):
-                yield
-        else:
+        with self.strategy.no_sync(model):
             yield
 
     @staticmethod
@@ -862,11 +821,7 @@ class Accelerator(CheckpointMethods):
         clipping. After DDP's all-reduce the gradients, and so the norm, agree on every rank.
         Under FSDP, collective: the norm is the whole model's, reduced over the shards."""
         self.unscale_gradients()
-        if self.state.fsdp_plugin is not None:
-            from . import fsdp
-
-            return fsdp.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] (after fp16 unscaling)."""
@@ -964,12 +919,7 @@ class Accelerator(CheckpointMethods):
         or with `all_ranks=True` on every rank."""
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
-        if self.state.fsdp_plugin is not None:
-            from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
-
-            if fsdp.fsdp_module(model) is not None:
-                return fsdp.full_state_dict(model, everywhere=all_ranks)
-        return model.state_dict()
+        return self.strategy.full_state_dict(model, everywhere=all_ranks)
 
     @property
     def has_lomo_optimizer(self) -> bool:
