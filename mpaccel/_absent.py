@@ -35,7 +35,7 @@ _DEEPSPEED = Reason(
 _MEGATRON = Reason("mpaccel does not drive Megatron-LM", SHARD_INSTEAD)
 _FSDP = Reason(
     "an internal of Accelerate's FSDP integration (how its prepare() wraps and loads models); "
-    "mpaccel drives FSDP2 with code of its own (mpaccel/fsdp.py)",
+    "mpaccel drives FSDP2 with code of its own (mpaccel/strategy/fully_sharded.py)",
     "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(...)) and prepare(); "
     "get_state_dict(model) for the full state dict; save_state/load_state, save_model and "
     "save_fsdp_model/load_fsdp_model/merge_fsdp_weights for checkpoints (docs/training.md).",

@@ -1,8 +1,16 @@
-"""Accelerator: the facade users hold. It composes the state objects and delegates; it never
-switches on the kind of distributed set-up."""
+"""Accelerator: the facade users hold. It composes the state objects, the parallelism strategy
+(mpaccel.strategy, picked once by AcceleratorState), the data loaders, the checkpoint layer and
+the trackers, and delegates to them; it never switches on the kind of distributed set-up.
+
+One class in one file, past 600 lines, as Accelerate's and Lightning Fabric's (fabric.py): its
+members are Accelerate's API, each a few lines that hand the work down; splitting them by
+concern made mixins typed against Protocol stubs that restated the class."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -10,11 +18,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
-from . import _absent, checkpoint, ops, preemption, shared_settings, tracking
+from . import _absent, checkpoint, distributed, ops, preemption, shared_settings, tracking, training
 from .accelerator_checkpoint import CheckpointMethods
-from .accelerator_parallelism import ParallelismFacts
-from .accelerator_training import TrainingMethods
 from .config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -28,15 +35,29 @@ from .config import (
     TorchDynamoPlugin,
     handlers_by_type,
 )
+from .data import skip_first_batches
 from .device import release_memory
 from .enums import DistributedType, DynamoBackend
-from .errors import ConfigurationError, refused
+from .errors import (
+    ConfigurationError,
+    MpaccelRuntimeWarning,
+    MpaccelWarning,
+    refused,
+    with_hint,
+)
+from .prepare import agreed_seed
+from .prepare import build as build_prepared
 from .prepared_loader import PreparedLoader
+from .samplers import ShardedBatchSampler
 from .state import AcceleratorState, GradientState, PartialState
+from .strategy import Strategy
 from .training import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
+    autocast_context,
+    compile_model,
     make_grad_scaler,
+    patch_forward,
     warn_fp16_on_cpu,
 )
 
@@ -44,9 +65,13 @@ _LOMO_REFUSED = (
     "lomo_backward: LOMO optimizers (lomo-optim's Lomo, AdaLomo) are not supported by mpaccel",
     "use a torch.optim optimizer (AdamW, SGD, ...) with accelerator.backward(loss).",
 )
+_SET_CONFIG = (
+    "pass Accelerator(fsdp_plugin=..., parallelism_config=ParallelismConfig("
+    "dp_replicate_size=..., dp_shard_size=...))."
+)
 
 
-class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
+class Accelerator(CheckpointMethods):
     """Entry point: process facts, process control, and (see the training docs) training.
 
     Creating it is collective: every process of the job must create one.
@@ -299,6 +324,102 @@ class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
         process, as Accelerate's without a ParallelismConfig."""
         return self.is_local_main_process
 
+    # -- the parallel layout (the strategy's) ---------------------------------------------------
+
+    @property
+    def strategy(self) -> Strategy:
+        """How models are parallelised (mpaccel.strategy), picked once by AcceleratorState: the
+        Accelerator asks it, never which one it is."""
+        return self.state.strategy
+
+    def _mesh_rank(self, dim: str, what: str) -> int:
+        """This rank's index along the mesh dimension `dim` ('dp_replicate', 'dp_shard', 'tp'), 0
+        where the ParallelismConfig leaves it at size 1 (tp always: mpaccel drives no tensor
+        parallelism); an error without a ParallelismConfig, as Accelerate's."""
+        config = self.state.parallelism_config
+        if config is None:
+            message = f"{what} is not configured: the Accelerator has no parallelism_config"
+            raise RuntimeError(with_hint(message, _SET_CONFIG))
+        if not getattr(config, f"{dim}_enabled"):
+            return 0
+        return self.strategy.mesh_rank(dim)
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.state.is_fsdp2
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return None
+
+    @property
+    def parallelism_config(self) -> Any:
+        return self.state.parallelism_config
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        return self.state.device_mesh
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return False
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's replica index (mesh dimension 'dp_replicate'): 0 where the
+        ParallelismConfig has dp_replicate_size 1. RuntimeError without a ParallelismConfig."""
+        return self._mesh_rank("dp_replicate", "data parallelism")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """This rank's index in its shard group (mesh dimension 'dp_shard'): 0 where the
+        ParallelismConfig has dp_shard_size 1. RuntimeError without a ParallelismConfig."""
+        return self._mesh_rank("dp_shard", "shard-based data parallelism")
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """0 with a ParallelismConfig (mpaccel drives no tensor parallelism: every rank holds
+        the same slice); RuntimeError without one, as Accelerate's."""
+        return self._mesh_rank("tp", "tensor parallelism")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """NotImplementedError, as Accelerate's: there is no context parallelism."""
+        raise NotImplementedError(with_hint(
+            "context parallelism is not supported (in Accelerate neither)",
+            "split long sequences yourself; ParallelismConfig's cp_size must be 1.",
+        ))  # fmt: skip
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """NotImplementedError, as Accelerate's: there is no pipeline parallelism."""
+        raise NotImplementedError(with_hint(
+            "pipeline parallelism is not supported (in Accelerate neither)",
+            "shard the model with an fsdp_plugin instead of splitting it into stages.",
+        ))  # fmt: skip
+
+    @contextmanager
+    def maybe_context_parallel(
+        self,
+        buffers: list[Any] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[Any] | None = None,
+    ) -> Iterator[None]:
+        """No effect, as Accelerate's without context parallelism (cp_size 1, the only size
+        mpaccel takes): the buffers stay whole. Warns once per process, as Accelerate's."""
+        del buffers, buffer_seq_dims, no_restore_buffers
+        global _warned_no_context_parallel
+        if not _warned_no_context_parallel:
+            _warned_no_context_parallel = True
+            warnings.warn(
+                "maybe_context_parallel() has no effect: mpaccel drives no context "
+                "parallelism (ParallelismConfig's cp_size must be 1), as Accelerate's without "
+                "cp_size > 1; every rank sees whole sequences",
+                MpaccelWarning,
+                stacklevel=3,
+            )
+        yield
+
     # -- process control (delegated) ------------------------------------------------------------
 
     def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
@@ -423,6 +544,325 @@ class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
         self.wait_for_checkpoint()  # an async save still being written is committed first
         self.destroy_process_group()
 
+    # -- preparing objects -----------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Collective. Models, optimizers, dataloaders and schedulers, in any order, returned
+        in the same order: models on the device (DistributedDataParallel on several ranks, its
+        parameters broadcast from rank 0), optimizers and schedulers aware of accumulation,
+        dataloaders sharded across ranks. Anything else is returned as it is. With an FSDP plugin
+        the models are fully sharded instead, and the optimizers passed with them re-pointed at
+        the shards (pass each model with its optimizer, as Accelerate requires for FSDP2)."""
+        if device_placement is None:
+            device_placement = [self.device_placement] * len(args)
+        elif len(device_placement) != len(args):
+            raise ConfigurationError(
+                f"device_placement has {len(device_placement)} entries for {len(args)} objects"
+            )
+        prepared: list[Any] = list(args)
+        kinds = (torch.nn.Module, torch.optim.Optimizer, DataLoader)
+        optimizers = [getattr(o, "optimizer", o) for o in args if _is_optimizer(o)]
+        models = [m for m in args if isinstance(m, torch.nn.Module)]
+        # under FSDP, the optimizers must not pin the whole tensors while they are sharded
+        with self.strategy.optimizers_follow(models, optimizers, self._models):
+            for index, obj in enumerate(args):  # schedulers need the prepared optimizers first
+                if isinstance(obj, kinds):
+                    prepared[index] = self._prepare_one(obj, device_placement[index])
+        for index, obj in enumerate(args):
+            if _is_scheduler(obj):
+                prepared[index] = self.prepare_scheduler(obj)
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+    def _prepare_one(self, obj: Any, placement: bool) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            return self.prepare_model(obj, device_placement=placement)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj, device_placement=placement)
+        return self.prepare_data_loader(obj, device_placement=placement)
+
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+    ) -> torch.nn.Module:
+        """Collective when distributed (DDP broadcasts rank 0's parameters and buffers). A
+        model prepared already (or the module inside one) gives back its prepared model;
+        a DDP or sharded model prepared before free_memory() (transformers' Trainer prepares in
+        evaluate(), frees, prepares again in train()) comes back as it is.
+        With a dynamo backend (Accelerator(dynamo_backend=...) or dynamo_plugin=), the model
+        returned is torch.compile's wrapper around it, made last, as Accelerate does; with
+        TorchDynamoPlugin(use_regional_compilation=True), compile_regions' copy of it (each
+        repeated block compiled on its own, sharing the parameters)."""
+        inner = self.unwrap_model(model, keep_torch_compile=False)
+        for prepared in self._models:
+            if inner is self.unwrap_model(prepared, keep_torch_compile=False):
+                compiled = training.is_compiled_module(model) or training.is_regionally_compiled(
+                    model
+                )
+                return model if compiled else prepared
+        if self.strategy.is_prepared(model):
+            self._models.append(model)  # by a prepare() before free_memory(), as Trainer does
+            return model
+        placement = device_placement if device_placement is not None else self.device_placement
+        model = self.strategy.place(model, placement)  # collective under FSDP (fully_shard)
+        patch_forward(model, self.mixed_precision, self.device, self._autocast_options())
+        if any(p.requires_grad for p in model.parameters()) and not evaluation_mode:
+            model = self.strategy.wrap(model, self.ddp_handler)
+        self._models.append(model)
+        plugin = self.state.dynamo_plugin
+        if plugin.backend != DynamoBackend.NO:
+            # Only the user's copy is compiled: checkpoints work on the model kept in _models,
+            # and no_sync, accumulate and Join find the DDP inside the compiled one.
+            return compile_model(model, plugin.to_kwargs(), bool(plugin.use_regional_compilation))
+        return model
+
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> AcceleratedOptimizer:
+        """Not collective. The optimizer, aware of gradient accumulation and fp16 loss scaling;
+        with device placement (the Accelerator's by default) its state tensors (a loaded
+        state_dict's, say) move to the device, as Accelerate's."""
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        if device_placement if device_placement is not None else self.device_placement:
+            training.move_optimizer_state(optimizer, self.device)
+        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        optimizers = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
+        wrapped = AcceleratedScheduler(
+            scheduler,
+            optimizers or self._optimizers,
+            self.gradient_state,
+            self.num_processes,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
+        )
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(
+        self,
+        data_loader: DataLoader,
+        device_placement: bool | None = None,
+        slice_fn_for_dispatch: Callable | None = None,
+    ) -> DataLoader:
+        """Collective the first time (the shuffling seed is agreed over MPI, unless
+        `dataloader_config.data_seed` is set). The loader is prepared as
+        `dataloader_config` says, read at this call; `slice_fn_for_dispatch` cuts global batches
+        when they are dispatched. A loader prepared already is returned as it is."""
+        if issubclass(type(data_loader), PreparedLoader):  # isinstance would say DataLoader too
+            return data_loader
+        config = self.dataloader_config
+        seed = config.data_seed
+        if seed is None:
+            if self._data_seed is None:
+                self._data_seed = agreed_seed(self._partial.comm)
+            seed = self._data_seed
+        place = device_placement if device_placement is not None else self.device_placement
+        shard = build_prepared(
+            data_loader,
+            device=self.device if place else None,
+            num_processes=self.strategy.data_parallel_size,
+            process_index=self.strategy.data_parallel_rank,
+            world=(self.num_processes, self.process_index),
+            split_batches=config.split_batches,
+            put_on_device=place,
+            rng_types=list(self.rng_types),
+            dispatch_batches=config.dispatch_batches,
+            even_batches=config.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=config.use_seedable_sampler,
+            seed=seed,
+            non_blocking=config.non_blocking,
+            use_stateful_dataloader=config.use_stateful_dataloader,
+            torch_device_mesh=None,
+            gradient_state=self.gradient_state,
+        )
+        self._dataloaders.append(shard)
+        return shard  # type: ignore[return-value]  # it passes for a DataLoader
+
+    @contextmanager
+    def join_uneven_inputs(
+        self, joinables: list[Any], even_batches: bool | None = None
+    ) -> Iterator[None]:
+        """Collective in effect. Training or evaluation where ranks get different numbers of
+        batches: torch.distributed's Join around the block, so that DDP models (and other
+        Joinables) of ranks that ran out of batches keep answering the others' all-reduces
+        instead of leaving them hanging. `even_batches` overrides the prepared map-style
+        loaders' setting inside the block (False: no repeated samples, uneven batches); Join
+        is enabled only when batches are uneven. Does nothing in a world of one, and warns
+        (UserWarning) and does nothing for set-ups other than DDP on CPUs or GPUs."""
+        if not self.strategy.joins_uneven_inputs(self.distributed_type):
+            if self.distributed_type != DistributedType.NO:
+                warnings.warn(
+                    f"joining uneven inputs is only supported for multi-GPU and multi-CPU "
+                    f"DistributedDataParallel training, not {self.distributed_type}: "
+                    f"join_uneven_inputs has no effect",
+                    MpaccelWarning,
+                    stacklevel=3,
+                )
+            yield
+            return
+        changed = []
+        if even_batches is not None:
+            for loader in self._dataloaders:
+                if isinstance(loader.sharding, ShardedBatchSampler):
+                    changed.append((loader.sharding, loader.sharding.even_batches))
+                    loader.sharding.even_batches = even_batches
+            if len(changed) < len(self._dataloaders):
+                warnings.warn(
+                    "overriding even_batches in join_uneven_inputs is only supported for "
+                    "map-style datasets; the loaders of iterable datasets keep their setting",
+                    MpaccelWarning,
+                    stacklevel=3,
+                )
+        else:
+            even_batches = self.even_batches
+        if not even_batches and self.gradient_accumulation_steps > 1:
+            warnings.warn(
+                "join_uneven_inputs with gradient accumulation: a rank whose loader ends first "
+                "synchronises gradients at its last batch while the others are inside no_sync, "
+                "and DDP's all-reduces then no longer pair up (the job waits until the "
+                "timeout); accumulate only where every rank has the same number of batches",
+                MpaccelRuntimeWarning,
+                stacklevel=3,
+            )
+        try:
+            with distributed.join(joinables, enable=not even_batches):
+                yield
+        finally:
+            for sharding, value in changed:
+                sharding.even_batches = value
+
+    def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> Any:
+        """A prepared loader: the same one, whose next pass starts after `num_batches` batches.
+        Any other DataLoader: a new one that leaves them out on every pass (as Accelerate's)."""
+        return skip_first_batches(dataloader, num_batches)
+
+    # -- the training step -----------------------------------------------------------------------
+
+    def _do_sync(self) -> None:
+        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
+            self.step = 0
+            self.gradient_state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
+
+    @contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Not collective. One micro-batch: decides whether this step synchronises gradients
+        (every `gradient_accumulation_steps`, and at the end of the dataloader) and, when it
+        does not, suppresses DDP's all-reduce in backward."""
+        self._do_sync()
+        each_batch = self.use_distributed and self.gradient_state.sync_each_batch
+        allow = self.sync_gradients or each_batch
+        with contextlib.ExitStack() as stack:
+            for model in models:
+                stack.enter_context(contextlib.nullcontext() if allow else self.no_sync(model))
+            yield
+
+    @contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Gradients computed in this block are not all-reduced (DDP, compiled or not) nor
+        reduce-scattered (FSDP: each rank accumulates whole gradients until the next
+        synchronising backward); a no-op otherwise."""
+        with self.strategy.no_sync(model):
+            yield
+
+    @staticmethod
+    @contextmanager
+    def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
+        """The backward of this block all-reduces the gradients, even inside no_sync() (DDP
+        only; a no-op otherwise): for a last micro-batch whose forward ran under no_sync, as in
+        Accelerate. Relies on DDP internals, as Accelerate's does."""
+        ddp: Any = distributed.ddp_of(model)
+        if ddp is None:
+            yield
+            return
+        saved = (ddp.require_backward_grad_sync, ddp.require_forward_param_sync)
+        ddp.require_backward_grad_sync = True
+        ddp.require_forward_param_sync = True
+        ddp.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            ddp.require_backward_grad_sync, ddp.require_forward_param_sync = saved
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """loss.backward(), divided by the accumulation steps and scaled for fp16. With DDP, the
+        gradients are all-reduced here on synchronising steps."""
+        loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """fp16: divide gradients by the loss scale (done for you before clipping)."""
+        targets = (
+            self._optimizers
+            if optimizer is None
+            else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        )
+        for opt in targets:
+            if isinstance(opt, AcceleratedOptimizer):
+                opt.unscale_gradients()
+
+    def clip_grad_norm_(
+        self, parameters: Any, max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
+        """Clip the gradients' total norm (after fp16 unscaling); returns the total norm before
+        clipping. After DDP's all-reduce the gradients, and so the norm, agree on every rank.
+        Under FSDP, collective: the norm is the whole model's, reduced over the shards."""
+        self.unscale_gradients()
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value] (after fp16 unscaling)."""
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    @contextmanager
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
+        """Run the block in the configured mixed precision (prepared models already do), with
+        `autocast_handler`'s options if given, else those of kwargs_handlers' AutocastKwargs."""
+        options = self._autocast_options(autocast_handler)
+        with autocast_context(self.mixed_precision, self.device, options):
+            yield
+
+    def _autocast_options(self, handler: KwargsHandler | None = None) -> dict[str, Any]:
+        chosen = handler or self.autocast_handler
+        return chosen.to_kwargs() if chosen is not None else {}
+
+    @contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[Any]:
+        """Not collective. torch.profiler around the block, configured by `profile_handler`, else
+        the ProfileKwargs of kwargs_handlers, else torch's defaults; yields the profiler (call
+        its step() per iteration when a schedule is set). Each rank profiles itself; with
+        output_trace_dir, each writes its Chrome trace there, named by Accelerate's
+        PROFILE_PATTERN_NAME with its rank (profile_<rank>.json)."""
+        from .utils import constants  # read when called: the one definition of the name
+
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is None:
+            return
+        os.makedirs(handler.output_trace_dir, exist_ok=True)
+        name = constants.PROFILE_PATTERN_NAME.format(suffix=self.process_index)
+        profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, name))
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """fp16: the last optimizer step was skipped because gradients overflowed."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
     # -- collective operations on tensors --------------------------------------------------------
 
     def gather(self, tensor: Any) -> Any:
@@ -456,6 +896,30 @@ class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
         return ops.pad_across_processes(self._partial.comm, tensor, dim, pad_index, pad_first)
 
     # -- models and memory -----------------------------------------------------------------------
+
+    def unwrap_model(
+        self,
+        model: torch.nn.Module,
+        keep_fp32_wrapper: bool = True,
+        keep_torch_compile: bool = True,
+    ) -> Any:
+        """The user's model without DDP (and, with keep_fp32_wrapper=False, without autocast).
+        A compiled model comes back compiled (around the unwrapped module) unless
+        keep_torch_compile=False. Under FSDP, the sharded model itself (whose transformers
+        `save_pretrained`, called on every rank, writes whole tensors)."""
+        return training.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    def get_state_dict(
+        self, model: torch.nn.Module, unwrap: bool = True, *, all_ranks: bool = False
+    ) -> dict[str, Any]:
+        """Not collective, but under FSDP. The model's state_dict (of the unwrapped model by
+        default: no `module.` prefix from DDP, nor `_orig_mod.` from torch.compile), as
+        Accelerate's, to save it or hand it to another library. A fully sharded model's is
+        gathered into whole CPU tensors: on rank 0 only (the others get {}), as Accelerate's,
+        or with `all_ranks=True` on every rank."""
+        if unwrap:
+            model = self.unwrap_model(model, keep_torch_compile=False)
+        return self.strategy.full_state_dict(model, everywhere=all_ranks)
 
     @property
     def has_lomo_optimizer(self) -> bool:
@@ -492,6 +956,18 @@ class Accelerator(TrainingMethods, CheckpointMethods, ParallelismFacts):
     def __repr__(self) -> str:
         return f"Accelerator(\n{self.state!r})"
 
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "get_last_lr")
+    )
+
+
+_warned_no_context_parallel = False
 
 # Accelerate's members for features mpaccel lacks: refusals with a HINT (mpaccel/_absent.py).
 _absent.install_members(Accelerator)

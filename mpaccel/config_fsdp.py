@@ -77,11 +77,21 @@ def _dtype(value: Any, where: str) -> Any:
     return getattr(torch, name)
 
 
-def _policy(value: Any) -> Any:
-    """torch's MixedPrecisionPolicy for a policy, a dict of its fields, or one dtype for all."""
-    # imported here: torch.distributed.fsdp only once a plugin is built (see accelerator.py)
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The fields of torch's MixedPrecisionPolicy, as the plugin holds them: the FullySharded
+    strategy builds torch's from it (strategy/fully_sharded.py), so that configuring imports no
+    torch.distributed."""
 
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    output_dtype: Any = None
+    cast_forward_inputs: bool = True
+
+
+def _policy(value: Any) -> PrecisionPolicy | None:
+    """The PrecisionPolicy of a policy (torch's or ours), a dict of its fields, or one dtype
+    for all."""
     if value is None:
         return None
     if all(hasattr(value, key) for key in _POLICY_KEYS):  # torch's own (or a look-alike)
@@ -104,7 +114,7 @@ def _policy(value: Any) -> Any:
     for key in ("param_dtype", "reduce_dtype", "output_dtype"):
         fields[key] = _dtype(fields.get(key), key)
     fields["cast_forward_inputs"] = bool(fields.get("cast_forward_inputs", True))
-    return MixedPrecisionPolicy(**fields)
+    return PrecisionPolicy(**fields)
 
 
 @dataclass
@@ -129,7 +139,8 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     (mpaccel's): names of model methods that FSDP treats as forward passes, gathering the
     parameters before them, besides `generate`, registered wherever the model has one.
     Fields set to None take Accelerate's FSDP_* variables. FSDP1's fields are accepted and
-    have no effect (a warning says so); forward_prefetch is refused.
+    have no effect (a warning says so); forward_prefetch is refused. The plugin keeps
+    mixed_precision_policy as a PrecisionPolicy (torch's fields; FullySharded builds torch's).
     """
 
     fsdp_version: int | None = None

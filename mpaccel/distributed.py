@@ -1,9 +1,9 @@
 """The data plane's bootstrap and teardown: torch.distributed, rendezvous brokered over MPI.
 
-With mpaccel/fsdp.py (fully sharded training: FSDP2, DeviceMesh, DTensor), the only module that
-imports torch.distributed. Rank 0 opens a TCPStore on a port the kernel picks (no MASTER_PORT
-race), broadcasts its address over MPI, and every rank joins with its MPI rank and size. No
-MASTER_ADDR, no torchrun.
+The only module that initialises torch.distributed; besides it, only mpaccel/strategy/ imports
+torch.distributed's APIs (FSDP2, DeviceMesh, DTensor), and checkpoint/ reads DTensors. Rank 0
+opens a TCPStore on a port the kernel picks (no MASTER_PORT race), broadcasts its address over
+MPI, and every rank joins with its MPI rank and size. No MASTER_ADDR, no torchrun.
 """
 
 from __future__ import annotations

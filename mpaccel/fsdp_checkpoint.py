@@ -19,6 +19,7 @@ from .checkpoint.files import remove_tree
 from .checkpoint.sharded import save_sharded
 from .checkpoint.sharded_read import load_sharded, read_full
 from .state import PartialState
+from .strategy.fully_sharded import OptimizerState
 
 
 def _model_dir(output_dir: str, index: int) -> str:
@@ -136,9 +137,7 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any,
     del fsdp_plugin, accelerator, model, adapter_only, use_dcp
     directory = _optimizer_dir(input_dir, optimizer_index)
     directory = directory if os.path.isdir(directory) else os.fspath(input_dir)
-    from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
-
-    stateful = fsdp.OptimizerState(optimizer, create=True)
+    stateful = OptimizerState(optimizer, create=True)
     try:
         loaded = load_sharded(PartialState().comm, directory,
                               {"optimizer": stateful.state_dict()})

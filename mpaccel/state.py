@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _absent, _env, distributed, lifecycle, sharding, shared_settings
+from . import _absent, _env, distributed, lifecycle, shared_settings, strategy
 from .comm import Comm, agreement
 from .config import (
     SHARD_INSTEAD,
@@ -496,7 +496,8 @@ class AcceleratorState:
     `dynamo_plugin` is the TorchDynamoPlugin prepared models are compiled with. With an
     `fsdp_plugin` (or ACCELERATE_USE_FSDP=true) models are fully sharded: `distributed_type` is
     FSDP and `device_mesh` the mesh they are sharded over (built collectively here; its shape
-    from `parallelism_config`, else from the nodes for HYBRID_SHARD). The plugins of engines
+    from `parallelism_config`, else from the nodes for HYBRID_SHARD). `strategy` is how models
+    are parallelised (mpaccel.strategy), picked here once. The plugins of engines
     mpaccel does not drive (DeepSpeed, Megatron-LM, tensor parallelism) must be None: anything
     else is a ConfigurationError.
 
@@ -545,7 +546,7 @@ class AcceleratorState:
         explicit_fsdp = fsdp_plugin
         try:  # the variable's error names it; raised on every rank (PartialState.__init__)
             requested = mixed_precision or _env.get_choice("mixed_precision")
-            fsdp_plugin = sharding.choose_plugin(fsdp_plugin, parallelism_config)
+            fsdp_plugin = strategy.choose_plugin(fsdp_plugin, parallelism_config)
         except ConfigurationError as exc:
             discover_once(DEFAULT_TIMEOUT, exc)
             raise
@@ -588,15 +589,14 @@ class AcceleratorState:
                 self._from_accelerator = True
             return
         mixed = requested or "no"
-        mesh = None
         if fsdp_plugin is not None and mixed in ("bf16", "fp16"):
             fsdp_plugin.set_mixed_precision(mixed)
         if _from_accelerator:  # before the mesh: building it is collective for FSDP ranks only
             resolved = shared_settings.of_state(fsdp_plugin, parallelism_config, mixed)
             shared_settings.compare(partial.comm, [*resolved, *_settings], "Accelerator()")
-        if fsdp_plugin is not None:
-            mesh = sharding.build_mesh(partial, fsdp_plugin, parallelism_config)
-            self.distributed_type = DistributedType.FSDP
+        chosen = strategy.build(partial, fsdp_plugin, parallelism_config)
+        if chosen.distributed_type is not None:
+            self.distributed_type = chosen.distributed_type
         self._partial = partial
         self._mixed_precision: str = mixed
         self.dynamo_plugin = dynamo_plugin if dynamo_plugin is not None else TorchDynamoPlugin()
@@ -605,7 +605,8 @@ class AcceleratorState:
         self.torch_tp_plugin = None
         self.megatron_lm_plugin = None
         self.parallelism_config = parallelism_config
-        self.device_mesh = mesh  # FSDP's mesh; None without FSDP
+        self.strategy = chosen  # how models are parallelised: the Accelerator asks it
+        self.device_mesh = chosen.mesh  # FSDP's mesh; None without FSDP
         self._from_accelerator = _from_accelerator
 
     def __getattr__(self, name: str) -> Any:
@@ -745,6 +746,7 @@ _ACCELERATOR_ATTRIBUTES = _PARTIAL_ATTRIBUTES | {
     "megatron_lm_plugin",
     "parallelism_config",
     "device_mesh",
+    "strategy",
     "num_processes",
     "process_index",
     "local_process_index",

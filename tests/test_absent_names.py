@@ -123,7 +123,7 @@ def test_other_missing_members_stay_plain_errors(accelerator):
 def test_maybe_context_parallel_has_no_effect_as_accelerates_without_it(accelerator):
     """Accelerate's does nothing (and warns once) unless cp_size > 1, which mpaccel refuses:
     a script that wraps every step in it runs."""
-    import mpaccel.accelerator_parallelism as parallelism
+    import mpaccel.accelerator as parallelism
 
     parallelism._warned_no_context_parallel = False
     batch = torch.arange(12.0).reshape(2, 6)

@@ -392,7 +392,7 @@ def test_plugin_fields_and_variables(comm, monkeypatch):
 
 
 def test_node_grid_groups_ranks_by_node_and_refuses_unequal_nodes():
-    from mpaccel.fsdp import node_grid
+    from mpaccel.strategy.mesh import node_grid
 
     # round-robin placement: ranks 0, 2 on node 0 and 1, 3 on node 1
     assert node_grid([(0, 0), (1, 0), (0, 1), (1, 1)]) == [[0, 2], [1, 3]]

@@ -1,4 +1,4 @@
-"""FSDP2 with Hugging Face models (mpaccel/fsdp.py, mpaccel/sharding.py): tied weights (GPT-2's
+"""FSDP2 with Hugging Face models (mpaccel/strategy/fully_sharded.py): tied weights (GPT-2's
 head and embedding, BERT's decoder weight and bias) stay tied through sharding with and without
 cpu_ram_efficient_loading, generate() runs sharded, and unwrap_model() says how to save.
 

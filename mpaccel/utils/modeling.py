@@ -38,9 +38,9 @@ def get_grad_scaler(distributed_type: DistributedType | None = None, **kwargs: A
     """
     device = _device()
     if distributed_type == DistributedType.FSDP:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        from ..strategy import fully_sharded
 
-        return ShardedGradScaler(device.type, **kwargs)
+        return fully_sharded.sharded_grad_scaler(device.type, **kwargs)
     return make_grad_scaler("fp16", device, kwargs)
 
 
