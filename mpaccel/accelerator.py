@@ -28,10 +28,10 @@ from .config import (
     TorchDynamoPlugin,
     handlers_by_type,
 )
+from .data.loader import PreparedLoader
 from .device import release_memory
 from .enums import DistributedType, DynamoBackend
 from .errors import ConfigurationError, refused
-from .prepared_loader import PreparedLoader
 from .state import AcceleratorState, GradientState, PartialState
 from .training import (
     AcceleratedOptimizer,

@@ -17,13 +17,13 @@ from torch.utils.data import DataLoader
 
 from . import distributed, training
 from .config import AutocastKwargs, DataLoaderConfiguration, KwargsHandler, ProfileKwargs
-from .data import skip_first_batches
+from .data.loader import PreparedLoader
+from .data.prepare import agreed_seed
+from .data.prepare import build as build_prepared
+from .data.samplers import ShardedBatchSampler
+from .data.skip import skip_first_batches
 from .enums import DistributedType, DynamoBackend
 from .errors import ConfigurationError, MpaccelRuntimeWarning, MpaccelWarning
-from .prepare import agreed_seed
-from .prepare import build as build_prepared
-from .prepared_loader import PreparedLoader
-from .samplers import ShardedBatchSampler
 from .state import AcceleratorState, GradientState, PartialState
 from .training import (
     AcceleratedOptimizer,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mpaccel import tree
+from mpaccel.data.dispatch import concatenate_batches, slice_batch
 from mpaccel.device import send_to_device
-from mpaccel.dispatch import concatenate_batches, slice_batch
 from mpaccel.split import split_inputs
 
 Point = collections.namedtuple("Point", "x y")

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from . import tree
-from .errors import CollectiveError, RankFailure, with_hint
-from .prepared_loader import PreparedLoader
-from .samplers import GeneratorReplay, _Shares
-from .split import share_bounds
+from .. import tree
+from ..errors import CollectiveError, RankFailure, with_hint
+from ..split import share_bounds
+from .loader import PreparedLoader
+from .samplers import GeneratorReplay, Shares
 
 __all__ = ["DataLoaderDispatcher", "concatenate_batches", "slice_batch"]
 
@@ -109,7 +109,7 @@ def _rows(data: Any) -> int:
     raise LookupError(f"no tensor in the batch {data!r} to cut into parts")
 
 
-class _Window(Sampler[Any]):
+class Window(Sampler[Any]):
     """The batches (or items) of `batches` but those of [head, head + skip) of one pass: a
     resumed pass on rank 0 loads its first round (whose samples complete the last one) and then
     goes on after the rounds already given, without loading those."""
@@ -145,14 +145,14 @@ class DataLoaderDispatcher(PreparedLoader):
     def __init__(
         self,
         dataloader: DataLoader,
-        sharding: _Shares,
+        sharding: Shares,
         dataset: Any,
         device: torch.device | None,
         gradient_state: Any,
         non_blocking: bool = False,
         replay: GeneratorReplay | None = None,
         slice_fn: Callable[..., Any] | None = None,
-        window: _Window | None = None,
+        window: Window | None = None,
         order_sampler: Any = None,
     ) -> None:
         super().__init__(
@@ -185,7 +185,7 @@ class DataLoaderDispatcher(PreparedLoader):
         return state
 
     def _pass(self, skip: int) -> Generator[tuple[Any, bool], None, None]:
-        from .state import PartialState
+        from ..state import PartialState
 
         comm = PartialState().comm
         what = "dispatch_batches (rank 0 reads the next batch)"
