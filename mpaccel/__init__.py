@@ -6,7 +6,7 @@ first `PartialState()` / `Accelerator()`.
 
 from ._version import __version__
 from .accelerator import Accelerator
-from .data import skip_first_batches
+from .data.skip import skip_first_batches
 from .environments import ProcessInfo
 from .errors import (
     CollectiveError,

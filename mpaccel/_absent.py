@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import SHARD_INSTEAD, _Refused
+from .config import SHARD_INSTEAD, Refused
 from .errors import ConfigurationError, refused, with_hint
 
 
@@ -331,7 +331,7 @@ def _placeholder(module: str, name: str, reason: Reason) -> Any:
         namespace = {"_message": classmethod(lambda cls: message), "_hint": hint,
                      "__module__": module, "__qualname__": name,
                      "__doc__": with_hint(f"Refused: {reason.why}.", hint)}
-        return type(name, (_Refused,), namespace)
+        return type(name, (Refused,), namespace)
     maker = _decorator if name in _DECORATORS else _raiser
     obj = maker(path, reason)
     obj.__name__ = obj.__qualname__ = name

@@ -35,7 +35,11 @@ from .config import (
     TorchDynamoPlugin,
     handlers_by_type,
 )
-from .data import skip_first_batches
+from .data.loader import PreparedLoader
+from .data.prepare import agreed_seed
+from .data.prepare import build as build_prepared
+from .data.samplers import ShardedBatchSampler
+from .data.skip import skip_first_batches
 from .device import release_memory
 from .enums import DistributedType, DynamoBackend
 from .errors import (
@@ -45,10 +49,6 @@ from .errors import (
     refused,
     with_hint,
 )
-from .prepare import agreed_seed
-from .prepare import build as build_prepared
-from .prepared_loader import PreparedLoader
-from .samplers import ShardedBatchSampler
 from .state import AcceleratorState, GradientState, PartialState
 from .strategy import Strategy
 from .training import (

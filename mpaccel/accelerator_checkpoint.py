@@ -23,8 +23,8 @@ from .checkpoint.safetensors_rows import save_rows
 from .checkpoint.training_state import model_state
 from .comm import NullComm, agreement
 from .config import ProjectConfiguration
+from .data.loader import PreparedLoader
 from .errors import ConfigurationError
-from .prepared_loader import PreparedLoader
 from .state import AcceleratorState, PartialState
 from .training import AcceleratedOptimizer, AcceleratedScheduler
 

@@ -4,11 +4,12 @@ putting things on it, and giving back the memory its allocator caches."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from . import tree
 from .errors import LaunchError
 
 _HINT = (
@@ -89,8 +90,9 @@ def send_to_device(
     non_blocking: bool = False,
     skip_keys: str | Sequence[str] | None = None,
 ) -> Any:
-    """Not collective. `tensor` moved to `device`, nested structures rebuilt with the same
-    types; anything without a `.to` method is returned as it is.
+    """Not collective. `tensor` on `device`, nested structures rebuilt with the same types;
+    the values of mappings under `skip_keys` stay where they are, and anything without a `.to`
+    method is returned as it is.
 
     Args:
         tensor: a tensor, or anything with a `.to` method (a tokenizer's BatchEncoding, a
@@ -99,24 +101,20 @@ def send_to_device(
         non_blocking: passed to `.to` (a `.to` that does not take it is called without).
         skip_keys: a mapping key, or keys, whose values stay where they are.
     """
-    if isinstance(tensor, torch.Tensor) or hasattr(tensor, "to"):
+
+    def movable(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) or hasattr(value, "to")
+
+    def move(value: Any) -> Any:
+        if not movable(value):
+            return value
         try:
-            return tensor.to(device, non_blocking=non_blocking)
+            return value.to(device, non_blocking=non_blocking)
         except TypeError:  # a .to() without non_blocking
-            return tensor.to(device)
-    if isinstance(tensor, tuple) and hasattr(tensor, "_fields"):  # a named tuple
-        return type(tensor)(*(send_to_device(t, device, non_blocking, skip_keys) for t in tensor))
-    if isinstance(tensor, (list, tuple)):
-        return type(tensor)(send_to_device(t, device, non_blocking, skip_keys) for t in tensor)
-    if isinstance(tensor, Mapping):
-        skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
-        return type(tensor)(  # type: ignore[call-arg]
-            {
-                k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)
-                for k, v in tensor.items()
-            }
-        )
-    return tensor
+            return value.to(device)
+
+    skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
+    return tree.map(move, tensor, is_leaf=movable, skip_keys=skip)
 
 
 def clear_device_cache(garbage_collection: bool = False) -> None:

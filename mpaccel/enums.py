@@ -1,5 +1,5 @@
 """Accelerate's string enums (DistributedType, PrecisionType, LoggerType, ...): members that
-compare and print as their values. mpaccel.config and mpaccel.utils re-export them."""
+compare and print as their values. mpaccel.utils re-exports them."""
 
 from __future__ import annotations
 

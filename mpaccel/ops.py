@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import distributed
+from . import distributed, tree
 from .comm import Comm
 from .errors import CollectiveMismatchError, ConfigurationError, DistributedOperationException
 
@@ -25,27 +25,9 @@ class CannotPadNestedTensorWarning(UserWarning):
     it is returned as it is."""
 
 
-def _leaves(data: Any) -> list[torch.Tensor]:
-    if isinstance(data, torch.Tensor):
-        return [data]
-    if isinstance(data, Mapping):
-        return [leaf for value in data.values() for leaf in _leaves(value)]
-    if isinstance(data, (list, tuple)):
-        return [leaf for value in data for leaf in _leaves(value)]
-    return []
-
-
 def _rebuild(data: Any, replace: Callable[[torch.Tensor], Any]) -> Any:
-    """`data` with each tensor replaced by `replace(tensor)`, in the order of _leaves()."""
-    if isinstance(data, torch.Tensor):
-        return replace(data)
-    if isinstance(data, Mapping):
-        return type(data)({k: _rebuild(v, replace) for k, v in data.items()})  # type: ignore[call-arg]
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_rebuild(v, replace) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_rebuild(v, replace) for v in data)
-    return data
+    """`data` with each tensor replaced by `replace(tensor)`, in the order of tree.leaves()."""
+    return tree.map(lambda leaf: replace(leaf) if isinstance(leaf, torch.Tensor) else leaf, data)
 
 
 def _exchange(comm: Comm, operation: str, mine: Any, what: str) -> list[Any]:
@@ -86,7 +68,7 @@ def _rank_list(ranks: list[int]) -> str:
 # or (type name, (spec, ...)) for lists, tuples and named tuples. It rides on the shape check's
 # exchange: comparing it costs no collective.
 Spec = Any
-Leaves = list[tuple[tuple[int, ...], str]]  # (shape, dtype) of each tensor, in _leaves() order
+Leaves = list[tuple[tuple[int, ...], str]]  # (shape, dtype) of each tensor, in tree.leaves() order
 
 
 def _describe(data: Any, leaves: Leaves) -> Spec:

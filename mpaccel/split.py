@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Set, ValuesView
 from typing import Any
 
+from . import tree
 from .errors import with_hint
 
 
@@ -100,19 +101,6 @@ def _lengths(inputs: Mapping, path: str, into: dict[str, int]) -> None:
             into[where] = _length(value)
 
 
-def _rebuild(inputs: Mapping, split: Any) -> Any:
-    """`inputs` with every leaf split, each mapping in its own type where that type takes a
-    dict (an OrderedDict, a batch object with .to()), else a dict."""
-    shares = {
-        key: _rebuild(value, split) if isinstance(value, Mapping) else split(value)
-        for key, value in inputs.items()
-    }
-    try:
-        return type(inputs)(shares)  # type: ignore[call-arg]
-    except Exception:
-        return shares
-
-
 def split_inputs(inputs: Any, index: int, count: int, apply_padding: bool = False) -> Any:
     """Process `index`'s share of `inputs` among `count` processes, as Accelerate's
     split_between_processes gives it.
@@ -139,5 +127,10 @@ def split_inputs(inputs: Any, index: int, count: int, apply_padding: bool = Fals
     bounds = share_bounds(length, index, count)
     padded = -(-length // count)
     if isinstance(inputs, Mapping):
-        return _rebuild(inputs, lambda v: _split_one(v, bounds, padded, apply_padding))
+        # Each mapping in its own type where that type takes a dict (an OrderedDict, a batch
+        # object with .to()), else a dict; lists, arrays and datasets are leaves, split whole.
+        return tree.map(
+            lambda v: _split_one(v, bounds, padded, apply_padding), inputs,
+            is_leaf=lambda v: not isinstance(v, Mapping), dict_if_refused=True,
+        )
     return _split_one(inputs, bounds, padded, apply_padding)

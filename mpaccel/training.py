@@ -13,7 +13,7 @@ import torch
 
 from .device import send_to_device
 from .errors import ConfigurationError, MpaccelWarning
-from .nested import convert_to_fp32
+from .tree import convert_to_fp32
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -517,7 +517,7 @@ def test_the_prepared_loader_passes_for_a_dataloader_and_is_prepared_once(comm):
     Accelerate's), preparing it again returns it as it is, and it pickles."""
     import pickle
 
-    from mpaccel.data import DataLoaderShard
+    from mpaccel.data.sharded import DataLoaderShard
 
     acc = _fresh()
     loader = acc.prepare(DataLoader(list(range(10 * comm.size)), batch_size=3, shuffle=True))

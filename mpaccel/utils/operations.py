@@ -13,12 +13,12 @@ import torch
 from .. import ops
 from ..device import send_to_device as send_to_device
 from ..errors import DistributedOperationException as DistributedOperationException
-from ..nested import convert_to_fp32 as convert_to_fp32
-from ..nested import honor_type as honor_type
-from ..nested import is_namedtuple as is_namedtuple
-from ..nested import is_torch_tensor as is_torch_tensor
-from ..nested import recursively_apply as recursively_apply
 from ..ops import CannotPadNestedTensorWarning as CannotPadNestedTensorWarning
+from ..tree import convert_to_fp32 as convert_to_fp32
+from ..tree import honor_type as honor_type
+from ..tree import is_namedtuple as is_namedtuple
+from ..tree import is_torch_tensor as is_torch_tensor
+from ..tree import recursively_apply as recursively_apply
 
 
 def _comm() -> Any:

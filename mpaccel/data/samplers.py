@@ -5,8 +5,8 @@ Batches, not samples, are dealt round-robin (split_batches=False: rank r takes b
 split_batches=True: every batch is cut into N equal slices). With even_batches, the last round is
 completed with samples from the start of the epoch so every rank takes the same number of
 batches of the same size. A map-style dataset is dealt through its batch sampler
-(ShardedBatchSampler); an iterable one through mpaccel.data.IterableDatasetShard, which deals
-its stream the same way (both are _Shares).
+(ShardedBatchSampler); an iterable one through data/sharded.py's IterableDatasetShard, which deals
+its stream the same way (both are Shares).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 
 class _EpochSeeded:
@@ -152,7 +152,7 @@ class SynchronizedSampler(_EpochSeeded, Sampler[Any]):
         return len(self.sampler)  # type: ignore[arg-type]
 
 
-class _Shares:
+class Shares:
     """How a global round is dealt out; what both kinds of shard have in common. `batch_size` is
     the original loader's (None: unknown, as for a batch sampler of variable-size batches)."""
 
@@ -213,7 +213,7 @@ class _Shares:
         return None
 
 
-class ShardedBatchSampler(_Shares, Sampler[list[int]]):
+class ShardedBatchSampler(Shares, Sampler[list[int]]):
     """This rank's batches of a global batch sampler (see the module docstring). A batch sampler
     without a `batch_size` attribute (variable-size batches) is dealt whole batches round-robin;
     even_batches then completes the last round with the epoch's first batches, as in Accelerate."""

@@ -13,10 +13,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .errors import CollectiveError, RankFailure, with_hint
-from .prepared_loader import PreparedLoader
-from .samplers import GeneratorReplay, _Shares
-from .split import share_bounds
+from .. import tree
+from ..errors import CollectiveError, RankFailure, with_hint
+from ..split import share_bounds
+from .loader import PreparedLoader
+from .samplers import GeneratorReplay, Shares
 
 __all__ = ["DataLoaderDispatcher", "concatenate_batches", "slice_batch"]
 
@@ -24,12 +25,18 @@ __all__ = ["DataLoaderDispatcher", "concatenate_batches", "slice_batch"]
 def concatenate_batches(batches: list[Any]) -> Any:
     """Batches of the same structure (tensors, or lists, tuples and mappings of them) put
     together along their first dimension."""
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
+
+    def join(first: Any, *others: Any) -> Any:
+        if not isinstance(first, torch.Tensor):
+            raise TypeError(with_hint(
+                f"dispatch_batches can only dispatch batches of tensors (or lists, tuples and "
+                f"dicts of them), got a {type(first).__name__}: {first!r}",
+                "return tensors from collate_fn, or pass dispatch_batches=False.",
+            ))
         try:
-            return torch.cat(batches, dim=0)
+            return torch.cat([first, *others], dim=0)
         except RuntimeError as exc:
-            shapes = [tuple(b.shape) for b in batches]
+            shapes = [tuple(b.shape) for b in (first, *others)]
             raise ValueError(with_hint(
                 f"dispatch_batches cannot put together batches of shapes {shapes}: {exc}",
                 "with dispatch_batches=True rank 0 joins the batches of one round into "
@@ -37,17 +44,8 @@ def concatenate_batches(batches: list[Any]) -> Any:
                 "collate_fn), pass split_batches=True (rank 0 then cuts each batch alone), or "
                 "dispatch_batches=False (each rank reads its own batches).",
             )) from exc
-    if isinstance(first, Mapping):
-        return type(first)({k: concatenate_batches([b[k] for b in batches]) for k in first})  # type: ignore[call-arg]
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(concatenate_batches(list(p)) for p in zip(*batches)))
-    if isinstance(first, (list, tuple)):
-        return type(first)(concatenate_batches(list(p)) for p in zip(*batches))
-    raise TypeError(with_hint(
-        f"dispatch_batches can only dispatch batches of tensors (or lists, tuples and dicts of "
-        f"them), got a {type(first).__name__}: {first!r}",
-        "return tensors from collate_fn, or pass dispatch_batches=False.",
-    ))
+
+    return tree.zip_map(join, *batches)
 
 
 def slice_batch(
@@ -58,7 +56,7 @@ def slice_batch(
 ) -> Any:
     """The default `slice_fn_for_dispatch`: `tensor_slice` of every tensor of `data` (lists,
     tuples and mappings rebuilt with their types; anything else kept as it is)."""
-    return _map(data, lambda v: v[tensor_slice] if isinstance(v, torch.Tensor) else v)
+    return tree.map(lambda v: v[tensor_slice] if isinstance(v, torch.Tensor) else v, data)
 
 
 class _Array:
@@ -71,17 +69,6 @@ class _Array:
         self.array = array
 
 
-def _map(data: Any, leaf: Callable[[Any], Any]) -> Any:
-    """`data` with `leaf` applied to each of its leaves (containers rebuilt with their types)."""
-    if isinstance(data, Mapping):
-        return type(data)({k: _map(v, leaf) for k, v in data.items()})  # type: ignore[call-arg]
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_map(v, leaf) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map(v, leaf) for v in data)
-    return leaf(data)
-
-
 def _to_wire(data: Any) -> Any:
     def leaf(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.device.type == "cpu":
@@ -91,11 +78,11 @@ def _to_wire(data: Any) -> Any:
                 return value
         return value
 
-    return _map(data, leaf)
+    return tree.map(leaf, data)
 
 
 def _from_wire(data: Any) -> Any:
-    return _map(data, lambda v: torch.from_numpy(v.array) if isinstance(v, _Array) else v)
+    return tree.map(lambda v: torch.from_numpy(v.array) if isinstance(v, _Array) else v, data)
 
 
 def _rows(data: Any) -> int:
@@ -122,7 +109,7 @@ def _rows(data: Any) -> int:
     raise LookupError(f"no tensor in the batch {data!r} to cut into parts")
 
 
-class _Window(Sampler[Any]):
+class Window(Sampler[Any]):
     """The batches (or items) of `batches` but those of [head, head + skip) of one pass: a
     resumed pass on rank 0 loads its first round (whose samples complete the last one) and then
     goes on after the rounds already given, without loading those."""
@@ -158,14 +145,14 @@ class DataLoaderDispatcher(PreparedLoader):
     def __init__(
         self,
         dataloader: DataLoader,
-        sharding: _Shares,
+        sharding: Shares,
         dataset: Any,
         device: torch.device | None,
         gradient_state: Any,
         non_blocking: bool = False,
         replay: GeneratorReplay | None = None,
         slice_fn: Callable[..., Any] | None = None,
-        window: _Window | None = None,
+        window: Window | None = None,
         order_sampler: Any = None,
     ) -> None:
         super().__init__(
@@ -198,7 +185,7 @@ class DataLoaderDispatcher(PreparedLoader):
         return state
 
     def _pass(self, skip: int) -> Generator[tuple[Any, bool], None, None]:
-        from .state import PartialState
+        from ..state import PartialState
 
         comm = PartialState().comm
         what = "dispatch_batches (rank 0 reads the next batch)"

@@ -10,19 +10,19 @@ from typing import Any, cast
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from .data import DataLoaderShard, IterableDatasetShard, loader_options
-from .dispatch import DataLoaderDispatcher, _Window
-from .errors import ConfigurationError
-from .prepared_loader import PreparedLoader
+from ..errors import ConfigurationError
+from .dispatch import DataLoaderDispatcher, Window
+from .loader import PreparedLoader, loader_options
 from .samplers import (
     GeneratorReplay,
     ShardedBatchSampler,
+    Shares,
     SingleItems,
     Unbatched,
-    _Shares,
     synchronized,
     synchronized_batches,
 )
+from .sharded import DataLoaderShard, IterableDatasetShard
 
 __all__ = ["agreed_seed", "prepare_data_loader"]
 
@@ -57,7 +57,7 @@ def prepare_data_loader(
     are synchronised from rank 0 as each pass starts; `data_seed` is the seed every shuffle
     starts from (default: rank 0's torch.initial_seed()). Returns a prepared loader that
     passes for a DataLoader."""
-    from .state import GradientState, PartialState
+    from ..state import GradientState, PartialState
 
     state = PartialState()
     if data_seed is None:
@@ -137,7 +137,7 @@ def build(
             dataloader, loader_class, kwargs, sync, world, split_batches, even_batches,
             slice_fn_for_dispatch, device, gradient_state, non_blocking,
         )  # fmt: skip
-    sharding: _Shares
+    sharding: Shares
     replay: GeneratorReplay | None = None
     if isinstance(dataset, IterableDataset):
         # No sampler to shard (torch refuses one with an iterable dataset): shard the stream.
@@ -197,7 +197,7 @@ def _dispatcher(
     """Rank 0 reads the loader as it is (its order drawn as the sharded loaders draw theirs,
     so that a resumed pass replays it); every rank gets its part of each global batch."""
     dataset = dataloader.dataset
-    window: _Window | None = None
+    window: Window | None = None
     order: Any = None
     replay: GeneratorReplay | None = None
     if isinstance(dataset, IterableDataset):
@@ -215,12 +215,12 @@ def _dispatcher(
             source, replay = synchronized_batches(source, **sync)
             order = getattr(source, "sampler", None)
             batch_size = getattr(source, "batch_size", None)
-        window = _Window(source)
+        window = Window(source)
         if unbatched:
             base = loader_class(dataset, batch_size=None, sampler=window, **kwargs)
         else:
             base = loader_class(dataset, batch_sampler=window, **kwargs)
-    sharding = _Shares(
+    sharding = Shares(
         batch_size, world[0], world[1], split_batches, even_batches, dataloader.drop_last
     )
     return DataLoaderDispatcher(

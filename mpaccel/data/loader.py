@@ -1,7 +1,9 @@
-"""What every prepared dataloader shares (`PreparedLoader`, the base of mpaccel.data's
-DataLoaderShard and mpaccel.dispatch's DataLoaderDispatcher): the DataLoader inside, the epoch
+"""What every prepared dataloader shares (`PreparedLoader`, the base of data/sharded.py's
+DataLoaderShard and data/dispatch.py's DataLoaderDispatcher): the DataLoader inside, the epoch
 and position of the pass, device placement, the random generators synchronised as each pass
-starts, and the position a checkpoint keeps (`state_dict`, checked field by field on load)."""
+starts, and the position a checkpoint keeps (`state_dict`, checked field by field on load).
+Also what is read off any DataLoader, prepared or not: its sampler (Accelerate's
+`get_sampler`) and the options a rebuilt one keeps."""
 
 from __future__ import annotations
 
@@ -10,14 +12,14 @@ from collections.abc import Generator, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 
-from .device import send_to_device
-from .errors import MpaccelRuntimeWarning
-from .rng import check_rng_types, rng_kind, synchronize_with
-from .samplers import GeneratorReplay, _Shares
+from ..device import send_to_device
+from ..errors import MpaccelRuntimeWarning
+from ..rng import check_rng_types, rng_kind, synchronize_with
+from .samplers import GeneratorReplay, Shares
 
-__all__ = ["PreparedLoader"]
+__all__ = ["PreparedLoader", "get_sampler", "loader_options"]
 
 
 class PreparedLoader:
@@ -32,7 +34,7 @@ class PreparedLoader:
     def __init__(
         self,
         dataloader: DataLoader,
-        sharding: _Shares,
+        sharding: Shares,
         dataset: Any,
         device: torch.device | None,
         gradient_state: Any,
@@ -272,7 +274,7 @@ class PreparedLoader:
         """Collective when there is anything to synchronise: rank 0's states of `rng_types`
         (the user's generator, torch's...) on every rank, as each pass starts."""
         if self.rng_types:
-            from .state import PartialState
+            from ..state import PartialState
 
             synchronize_with(PartialState().comm, self.rng_types, self.synchronized_generator)
 
@@ -321,3 +323,36 @@ def _checked_position(state: Any, world: int) -> dict[str, Any]:
 def _new_loader(cls: type) -> Any:
     """An empty prepared loader of class `cls`, for unpickling (its __dict__ comes after)."""
     return object.__new__(cls)
+
+
+def get_sampler(dataloader: DataLoader) -> Any:
+    """The sampler that draws `dataloader`'s order: of its batch sampler, or of the batch
+    sampler given as `sampler` (a prepared loader's own answer for a prepared one)."""
+    if issubclass(type(dataloader), PreparedLoader):
+        return dataloader.get_sampler()  # type: ignore[attr-defined]
+    if isinstance(dataloader.sampler, BatchSampler):
+        return getattr(dataloader.sampler, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)
+
+
+def loader_options(dataloader: DataLoader) -> dict[str, Any]:
+    """The options of `dataloader` a rebuilt one keeps (workers, collate_fn, pin_memory...)."""
+    kwargs = {name: getattr(dataloader, name) for name in _COPIED if hasattr(dataloader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    return kwargs
+
+
+_COPIED = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)

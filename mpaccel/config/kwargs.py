@@ -1,6 +1,6 @@
-"""Configuration objects with Accelerate's names: the kwargs handlers and the plugins, and the
-enums of enums.py (mpaccel.utils re-exports them at Accelerate's paths). Unknown keys are
-rejected, by name."""
+"""The kwargs handlers of `Accelerator(kwargs_handlers=[...])`, with Accelerate's names, and
+their base `KwargsHandler` (the base of every configuration dataclass: unknown keys are
+rejected, by name; `to_kwargs()` gives the fields changed from the defaults)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from .enums import (
-    DDPCommunicationHookType,
-    DynamoBackend,
-)
-from .errors import ConfigurationError, refused
+from ..enums import DDPCommunicationHookType
+from ..errors import ConfigurationError
 
 
 class KwargsHandler:
@@ -132,7 +129,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def register_comm_hook(self, model: Any) -> None:
         """Register the configured hook on `model` (a DistributedDataParallel); nothing when
         comm_hook is NO, as in Accelerate."""
-        from .distributed import register_comm_hook
+        from ..distributed import register_comm_hook
 
         register_comm_hook(model, self.comm_hook.value, self.comm_wrapper.value,
                            self.comm_state_option)
@@ -167,89 +164,6 @@ class GradScalerKwargs(KwargsHandler):
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     enabled: bool = True
-
-
-@dataclass
-class GradientAccumulationPlugin(KwargsHandler):
-    """How gradient accumulation behaves (see Accelerator(gradient_accumulation_plugin=...)).
-
-    num_steps: micro-batches per optimizer step. adjust_scheduler: step the LR scheduler once per
-    optimizer step, not per micro-batch. sync_with_dataloader: force a sync (and a step) at the
-    end of the dataloader. sync_each_batch: all-reduce gradients on every micro-batch (less
-    memory, more communication).
-    """
-
-    num_steps: int | None = None
-    adjust_scheduler: bool = True
-    sync_with_dataloader: bool = True
-    sync_each_batch: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_steps is not None and (
-            isinstance(self.num_steps, bool)
-            or not isinstance(self.num_steps, int)
-            or self.num_steps < 1
-        ):
-            raise ConfigurationError(
-                f"GradientAccumulationPlugin(num_steps={self.num_steps!r}) must be an int >= 1"
-            )
-
-
-@dataclass
-class DataLoaderConfiguration(KwargsHandler):
-    """How prepared dataloaders deal out their batches (see docs/training.md). Accelerate's
-    fields, in Accelerate's order: `DataLoaderConfiguration(False, None, True)` is split_batches,
-    dispatch_batches, even_batches.
-
-    split_batches: cut each batch into one slice per process (else each takes whole batches).
-    dispatch_batches: rank 0 reads the loader and sends every rank its part over MPI (None:
-    for iterable datasets). even_batches: complete the last round with the epoch's first
-    samples. use_seedable_sampler: shuffle with `SeedableRandomSampler` (order drawn from
-    seed + epoch, even for a loader given a generator of its own). data_seed: the seed shuffles
-    start from (None: rank 0's `torch.initial_seed()`). non_blocking: asynchronous copies to the
-    device. use_stateful_dataloader: build the loaders on torchdata's StatefulDataLoader.
-    """
-
-    split_batches: bool = False
-    dispatch_batches: bool | None = None
-    even_batches: bool = True
-    use_seedable_sampler: bool = False
-    data_seed: int | None = None
-    non_blocking: bool = False
-    use_stateful_dataloader: bool = False
-
-    def __post_init__(self) -> None:
-        seed = self.data_seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ConfigurationError(
-                f"DataLoaderConfiguration(data_seed={seed!r}) must be an int or None",
-                "pass an integer seed, e.g. data_seed=42, or None to follow torch.manual_seed.",
-            )
-
-
-@dataclass
-class ProjectConfiguration(KwargsHandler):
-    """Where checkpoints go, and how many are kept."""
-
-    project_dir: str | None = None
-    logging_dir: str | None = None
-    automatic_checkpoint_naming: bool = False
-    total_limit: int | None = None
-    iteration: int = 0
-    save_on_each_node: bool = False
-
-    def __post_init__(self) -> None:
-        if self.logging_dir is None:
-            self.logging_dir = self.project_dir
-        if self.total_limit is not None and self.total_limit < 1:
-            raise ConfigurationError(
-                f"ProjectConfiguration(total_limit={self.total_limit!r}) must be >= 1 or None"
-            )
-
-    def set_directories(self, project_dir: str | None = None) -> None:
-        self.project_dir = project_dir
-        if self.logging_dir is None:
-            self.logging_dir = project_dir
 
 
 @dataclass
@@ -304,48 +218,6 @@ class ProfileKwargs(KwargsHandler):
         )
 
 
-@dataclass
-class TorchDynamoPlugin(KwargsHandler):
-    """torch.compile for the prepared models: `Accelerator(dynamo_plugin=...)`, or
-    `Accelerator(dynamo_backend="inductor")` for the defaults. backend: a DynamoBackend or its
-    name (None: "no", no compilation); mode, fullgraph, dynamic, options, disable: torch.compile's;
-    use_regional_compilation: compile each block of a repeated ModuleList on its own
-    (mpaccel.utils.compile_regions) instead of the whole model. Unlike Accelerate, the
-    ACCELERATE_DYNAMO_* variables are not read."""
-
-    backend: Any = None
-    mode: str | None = None
-    fullgraph: bool | None = None
-    dynamic: bool | None = None
-    options: Any = None
-    disable: bool = False
-    use_regional_compilation: bool | None = None
-
-    def __post_init__(self) -> None:
-        name = "no" if self.backend is None else str(getattr(self.backend, "value", self.backend))
-        if name.upper() not in DynamoBackend:
-            raise ConfigurationError(
-                f"TorchDynamoPlugin(backend={self.backend!r}) is not a dynamo backend",
-                f"use one of {[b.lower() for b in DynamoBackend.list()]}.",
-            )
-        self.backend = DynamoBackend(name.upper())
-        if self.mode is None:
-            self.mode = "default"
-        if self.fullgraph is None:
-            self.fullgraph = False
-        if self.use_regional_compilation is None:
-            self.use_regional_compilation = False
-
-    def to_kwargs(self) -> dict[str, Any]:
-        """torch.compile's keyword arguments: those changed from the defaults, the backend by
-        torch's name ("inductor")."""
-        kwargs = super().to_kwargs()
-        kwargs.pop("use_regional_compilation", None)
-        if "backend" in kwargs:
-            kwargs["backend"] = self.backend.value.lower()
-        return kwargs
-
-
 def handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, Any]:
     """Accelerator(kwargs_handlers=...) by type; an unknown or repeated kind is an error."""
     known = (
@@ -367,47 +239,3 @@ def handlers_by_type(handlers: Iterable[KwargsHandler] | None) -> dict[type, Any
             raise ConfigurationError(f"kwargs_handlers has more than one {kind.__name__}")
         found[kind] = handler
     return found
-
-
-class _Refused:
-    """Accelerate's configuration classes for engines mpaccel does not drive: importable, so
-    scripts that name them import; building one is a ConfigurationError with what to do."""
-
-    _engine = ""
-    _hint = ""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        refused(cls._message(), cls._hint)(cls)  # what __init__ raises, for docs/compatibility.md
-
-    @classmethod
-    def _message(cls) -> str:
-        return f"mpaccel does not drive {cls._engine}: {cls.__name__}(...) cannot be used"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise ConfigurationError(self._message(), self._hint)
-
-
-# What to use instead of an engine mpaccel does not drive (here, state.py, _absent.py).
-SHARD_INSTEAD = (
-    "prepare() the model as it is: DistributedDataParallel when it fits one device (every "
-    "rank holds all of it), Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin()) (FSDP2: "
-    "parameters, gradients and optimizer state sharded over the ranks; HYBRID_SHARD with "
-    "ParallelismConfig(dp_replicate_size=...)) when it does not (docs/training.md)."
-)
-_DDP_INSTEAD = "drop the plugin and " + SHARD_INSTEAD
-
-
-class DeepSpeedPlugin(_Refused):
-    _engine = "DeepSpeed"
-    _hint = _DDP_INSTEAD
-
-
-class MegatronLMPlugin(_Refused):
-    _engine = "Megatron-LM"
-    _hint = _DDP_INSTEAD
-
-
-class TorchTensorParallelPlugin(_Refused):
-    _engine = "tensor parallelism"
-    _hint = _DDP_INSTEAD
