@@ -23,8 +23,8 @@ import mpaccel
 from mpaccel import Accelerator
 
 PACKAGE = os.path.dirname(os.path.abspath(mpaccel.__file__))
-SAVE_AT_MOST = 18
-LOAD_AT_MOST = 22
+SAVE_AT_MOST = 11
+LOAD_AT_MOST = 12
 
 
 def _files_run(call) -> list[str]:
