@@ -157,18 +157,18 @@ def instrument(acc: Any) -> Phases:
     import h5py
     import torch
 
-    from mpaccel.checkpoint import api, error_keeping_file, rawio, reader, storage
+    from mpaccel.checkpoint import api, rawio, reader, writer
 
     phases = Phases()
     phases.wrap(api, "collect", "collect state_dicts")  # the name save_state calls
-    phases.wrap(storage, "to_numpy", "to_numpy")
-    phases.wrap(storage, "checksum", "xxh3 checksum")
+    phases.wrap(writer, "to_numpy", "to_numpy")
+    phases.wrap(writer, "checksum", "xxh3 checksum")
     phases.wrap(reader, "checksum", "xxh3 checksum (load)")
-    phases.wrap(error_keeping_file.ErrorKeepingFile, "finish", "close (shards)")
+    phases.wrap(writer.ErrorKeepingFile, "finish", "close (shards)")
     phases.wrap(rawio, "write_arrays", "data writes + fsync (threads)")
     phases.wrap(rawio, "read_arrays", "data reads (threads)")
-    phases.wrap(storage, "fsync_path", "fsync (directory)")
-    phases.wrap(storage, "write_index", "commit index (rank 0)")
+    phases.wrap(writer, "fsync_path", "fsync (directory)")
+    phases.wrap(writer, "write_index", "commit index (rank 0)")
     phases.wrap(h5py.File, "__init__", "h5py open")
     phases.wrap(h5py.File, "close", "h5py close (flush)")
     phases.wrap(h5py.Group, "create_dataset", "create_dataset")

@@ -170,9 +170,9 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
 
     from mpaccel import PartialState
-    from mpaccel.checkpoint.sharded import save_sharded
-    from mpaccel.checkpoint.sharded_export import export_full
-    from mpaccel.checkpoint.sharded_read import load_sharded
+    from mpaccel.checkpoint.sharded.export import export_full
+    from mpaccel.checkpoint.sharded.load import load_sharded
+    from mpaccel.checkpoint.sharded.save import save_sharded
 
     comm = PartialState().comm
     if not dist.is_initialized():

@@ -1,7 +1,9 @@
 """The Accelerator's checkpoint methods: save/save_model, save_state/load_state and their
 hooks, registered objects, async saves and Slurm preemption. A mixin of Accelerator
 (accelerator.py); `_Host` lists what it uses of the Accelerator, so this module needs
-nothing from accelerator.py."""
+nothing from accelerator.py. The methods hand what they hold to checkpoint/ (api.py, and
+TrainingState.from_prepared in training.py), which decides who saves, the directory, the
+format and which entries are sharded."""
 
 from __future__ import annotations
 
@@ -15,13 +17,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, distributed, preemption
-from .checkpoint import accelerate_layout, solo
-from .checkpoint.directories import agree_directory
-from .checkpoint.format import CheckpointError
-from .checkpoint.safetensors_out import save_safetensors, warn_untied
-from .checkpoint.safetensors_rows import save_rows
-from .checkpoint.training_state import model_state
-from .comm import NullComm, agreement
+from .comm import agreement
 from .config import ProjectConfiguration
 from .data.loader import PreparedLoader
 from .errors import ConfigurationError
@@ -75,7 +71,6 @@ class _Host(Protocol):
     def _checkpoint_objects(
         self, models: list[torch.nn.Module], gradients: bool, loading: bool = ...
     ) -> checkpoint.TrainingState: ...
-    def _holds_sharded_model(self) -> bool: ...
     def save_state(
         self, output_dir: str | None = ..., safe_serialization: bool = ..., *,
         async_save: bool = ..., **save_model_func_kwargs: Any,
@@ -123,28 +118,10 @@ class CheckpointMethods:
         (never a pickle; read back with `mpaccel.checkpoint.load_model_state(dir)`). Under FSDP
         every rank must call it: each writes its own rows of the full tensors into the same
         files, at their offsets (no rank gathers a tensor)."""
-        comm = self._partial.comm
-        who = solo.who_saves(comm, "save_model", save_directory)
-        if who == solo.OTHERS:
-            return
-        comm = comm if who == solo.COLLECTIVE else NullComm(default_timeout=comm.default_timeout)
-        if safe_serialization:
-            state = model_state(comm, self.unwrap_model(model))
-            # a fully sharded model: every rank writes its rows of the same files, no gather
-            write = save_safetensors
-            if self.state.fsdp_plugin is not None:
-                from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
-
-                unwrapped = self.unwrap_model(model)
-                if fsdp.fsdp_module(unwrapped) is not None:
-                    write = save_rows
-                    aliases = fsdp.tied_aliases(unwrapped)  # stored once, as unsharded
-                    if aliases & state.keys():
-                        warn_untied(sorted(aliases & state.keys()), stacklevel=2)
-                        state = {k: v for k, v in state.items() if k not in aliases}
-            write(comm, state, os.fspath(save_directory), max_shard_size)
-        else:
-            checkpoint.save_model(comm, self.unwrap_model(model), save_directory, max_shard_size)
+        checkpoint.save_model(
+            self._partial.comm, self.unwrap_model(model), save_directory, max_shard_size,
+            safe_serialization=safe_serialization,
+        )
 
     def register_for_checkpointing(self: _Host, *objects: Any) -> None:
         """Include objects with state_dict()/load_state_dict() in save_state/load_state."""
@@ -207,35 +184,19 @@ class CheckpointMethods:
         `models` (what the pre-hooks left), then everything else prepared or registered;
         with `gradients`, the models' gradients per rank. Fully sharded models and their
         optimizers are `sharded` entries (each rank stores its rows; their gradients too, as
-        rows: checkpoint/sharded_state.py). `loading`: a fresh optimizer over shards gets its
+        rows: checkpoint/sharded/state.py). `loading`: a fresh optimizer over shards gets its
         state created to load into."""
-        unwrapped = [self.unwrap_model(model) for model in models]
-        shared: dict[str, checkpoint.Stateful] = {
-            f"scheduler_{i}": sched for i, sched in enumerate(self._schedulers)
-        }
-        if self.scaler is not None:
-            shared["scaler"] = self.scaler
-        shared.update({f"custom_{i}": obj for i, obj in enumerate(self._custom_objects)})
-        shared["accelerator"] = _AccumulationStep(self)
-        named = {f"model_{i}": module for i, module in enumerate(unwrapped)}
-        optimizers = {f"optimizer_{i}": opt for i, opt in enumerate(self._optimizers)}
-        sharded: dict[str, Any] = {}
-        if self.state.fsdp_plugin is not None:
-            from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
-
-            sharded = {name: m for name, m in named.items() if fsdp.fsdp_module(m) is not None}
-            if sharded:  # prepare() built every optimizer over the shards
-                sharded.update({name: fsdp.OptimizerState(opt, create=loading)
-                                for name, opt in optimizers.items()})
-        return checkpoint.TrainingState(
-            models={name: m for name, m in named.items() if name not in sharded},
-            optimizers={name: o for name, o in optimizers.items() if name not in sharded},
-            shared=shared,
-            per_rank={f"dataloader_{i}": loader for i, loader in enumerate(self._dataloaders)},
-            gradients={n.replace("model", "gradients"): m for n, m in named.items()}
-            if gradients else {},
-            optional=frozenset({"scaler"}),
-            sharded=sharded,
+        return checkpoint.TrainingState.from_prepared(
+            [self.unwrap_model(model) for model in models],
+            self._optimizers,
+            self._schedulers,
+            self._dataloaders,
+            scaler=self.scaler,
+            custom=self._custom_objects,
+            step=_AccumulationStep(self),
+            gradients=gradients,
+            loading=loading,
+            optimizer_state=_sharded_optimizer_state,
         )
 
     def save_state(
@@ -259,38 +220,15 @@ class CheckpointMethods:
         honoured; `save_model_func_kwargs` (Accelerate passes them to DeepSpeed) are ignored.
         Hooks of register_save_state_pre_hook run first."""
         del safe_serialization, save_model_func_kwargs
-        comm = self._partial.comm
-        config = self.project_configuration
-        who = solo.who_saves(comm, "save_state", output_dir)
-        if who != solo.COLLECTIVE and self._holds_sharded_model():
-            raise CheckpointError(
-                (f"rank(s) {[r for r in range(comm.size) if r != comm.rank]} did not join the "
-                 f"save: only rank {comm.rank} is saving" if who == solo.ALONE else
-                 f"rank {comm.rank} came to save_state after another rank began it alone")
-                + ": a sharded (FSDP) checkpoint holds the rows each rank owns, so every rank "
-                "saves its own",
-                "call save_state on every rank (not under `if accelerator.is_main_process:`); "
-                "it writes each file once.",
-            )
-        if who == solo.OTHERS:  # another rank wrote it alone
-            if config.automatic_checkpoint_naming:
-                config.iteration += 1
-            return os.fspath(output_dir) if output_dir is not None else ""
-        if who == solo.ALONE:
-            comm = NullComm(default_timeout=comm.default_timeout)
-        elif output_dir is not None:
-            output_dir, _ = agree_directory(comm, output_dir, "save_state")
-        elif config.automatic_checkpoint_naming:
-            # saves by the main process alone advanced its number only: follow rank 0's
-            config.iteration = comm.bcast(config.iteration, what="save_state (its number)")
-        models = self._models
-        if self._save_model_state_pre_hook:
-            directory = ""
-            try:  # an error here is the checkpoint's to report, collectively, below
-                directory = checkpoint.resolve_output(self.project_configuration, output_dir)
-                os.makedirs(directory, exist_ok=True)
-            except Exception:
-                pass
+        # Saved mid-accumulation: each rank's gradients summed so far are part of the state.
+        gradients = not self.sync_gradients
+
+        def run_hooks(comm: Any, directory: str) -> checkpoint.TrainingState:
+            if directory:
+                try:  # an error here is the checkpoint's to report, collectively
+                    os.makedirs(directory, exist_ok=True)
+                except Exception:
+                    pass
             weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
             models = self._run_pre_hooks(
                 list(self._save_model_state_pre_hook.values()),
@@ -299,26 +237,17 @@ class CheckpointMethods:
                 "save_state (pre-hooks)",
                 comm,
             )
-        # Saved mid-accumulation: each rank's gradients summed so far are part of the state.
-        objects = self._checkpoint_objects(models, gradients=not self.sync_gradients)
+            return self._checkpoint_objects(models, gradients)
+
         return checkpoint.save_state(
-            comm,
-            objects,
+            self._partial.comm,
+            self._checkpoint_objects(self._models, gradients),
             output_dir,
             project=self.project_configuration,
             saver=self._async_saver,
-            # a rank saving alone writes synchronously: the background writer's communicator
-            # spans every rank
-            async_save=async_save and comm is self._partial.comm,
+            async_save=async_save,
+            before=run_hooks if self._save_model_state_pre_hook else None,
         )
-
-    def _holds_sharded_model(self: _Host) -> bool:
-        """A prepared model is fully sharded (its checkpoint needs every rank's rows)."""
-        if self.state.fsdp_plugin is None:
-            return False
-        from . import fsdp  # imported only under FSDP (see fsdp.py's docstring)
-
-        return any(fsdp.fsdp_module(self.unwrap_model(m)) is not None for m in self._models)
 
     def load_state(
         self: _Host,
@@ -344,50 +273,29 @@ class CheckpointMethods:
         be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
         accepted and has nothing to act on. Hooks of register_load_state_pre_hook run first."""
         del load_kwargs
-        comm = self._partial.comm
-        accelerate_dir = False
-        if input_dir is not None:
-            input_dir, accelerate_dir = agree_directory(
-                comm, input_dir, "load_state", accelerate_layout.recognise(os.fspath(input_dir))
-            )
-        models = self._models
-        if self._load_model_state_pre_hook:
-            directory = input_dir
-            if directory is None and self.project_dir is not None:
-                latest = checkpoint.latest_checkpoint(self.project_dir)
-                directory = latest[1] if latest is not None else None
+
+        def run_hooks(comm: Any, directory: str | None) -> checkpoint.TrainingState:
             listed = list(self._models)
             models = self._run_pre_hooks(
                 list(self._load_model_state_pre_hook.values()),
                 (listed, directory),
                 listed,
                 "load_state (pre-hooks)",
-            )
-        objects = self._checkpoint_objects(models, gradients=True, loading=True)
-        try:
-            if accelerate_dir:
-                assert input_dir is not None
-                self._async_saver.wait()
-                accelerate_layout.load_accelerate_state(
-                    comm, objects, input_dir, allow_pickle=allow_pickle,
-                    model_options=load_model_func_kwargs,
-                )
-                return input_dir
-            return checkpoint.load_state(
                 comm,
-                objects,
-                input_dir,
-                project=self.project_configuration,
-                saver=self._async_saver,
-                model_options=load_model_func_kwargs,
-                node_share=(self.local_process_index, self._partial.local_num_processes),
             )
-        except BaseException:  # a fresh optimizer is fresh again
-            for obj in objects.sharded.values():
-                undo = getattr(obj, "undo", None)  # fsdp.OptimizerState's
-                if undo is not None:
-                    undo()
-            raise
+            return self._checkpoint_objects(models, gradients=True, loading=True)
+
+        return checkpoint.load_state(
+            self._partial.comm,
+            self._checkpoint_objects(self._models, gradients=True, loading=True),
+            input_dir,
+            project=self.project_configuration,
+            saver=self._async_saver,
+            model_options=load_model_func_kwargs,
+            node_share=(self.local_process_index, self._partial.local_num_processes),
+            allow_pickle=allow_pickle,
+            before=run_hooks if self._load_model_state_pre_hook else None,
+        )
 
     def wait_for_checkpoint(self: _Host) -> None:
         """Collective in effect: block until an async save is committed (re-raises its error)."""
@@ -465,3 +373,10 @@ class _AccumulationStep:
         if type(step) is not int or step < 0:
             raise ValueError(f"it holds the step {step!r}, not a count")
         self._accelerator.step = step
+
+
+def _sharded_optimizer_state(optimizer: Any, create: bool) -> Any:
+    """An optimizer over a fully sharded model's parameters, as its checkpoint entry."""
+    from . import fsdp  # called only for fully sharded models (see fsdp.py's docstring)
+
+    return fsdp.OptimizerState(optimizer, create=create)

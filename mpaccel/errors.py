@@ -199,3 +199,17 @@ class CollectiveTimeoutError(MpaccelError, TimeoutError):
             type(self),
             (self.operation, self.timeout, self.missing, self.hosts, self.arrived, self.hint),
         )
+
+
+class CheckpointError(MpaccelError):
+    """A checkpoint cannot be written, found, read or trusted; names the file and key."""
+
+
+class CheckpointCollectiveError(CollectiveError, CheckpointError):
+    """A save or load failed on one or more ranks: raised on every rank, naming each failing
+    rank's error (`.failures`). Both a CollectiveError and a CheckpointError, so that either
+    `except` catches it."""
+
+
+class StalledIOError(MpaccelError, TimeoutError):
+    """No checkpoint I/O of this process ended within the limit (see within())."""

@@ -16,8 +16,8 @@ import torch
 
 from .checkpoint import CheckpointError
 from .checkpoint.files import remove_tree
-from .checkpoint.sharded import save_sharded
-from .checkpoint.sharded_read import load_sharded, read_full
+from .checkpoint.sharded.load import load_sharded, read_full
+from .checkpoint.sharded.save import save_sharded
 from .state import PartialState
 from .strategy.fully_sharded import OptimizerState
 

@@ -303,18 +303,18 @@ def test_datasets_another_tool_rewrote_chunked_still_load(mpi_tmp_path, comm):
 
 
 def test_save_model_shards_by_size_and_removes_stale_shards(mpi_tmp_path, comm, monkeypatch):
-    from mpaccel.checkpoint import storage
+    from mpaccel.checkpoint import writer
 
     acc = Accelerator()
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)
     model = acc.prepare(model)
     target = mpi_tmp_path / "model"
-    written, original = [], storage.write_h5
+    written, original = [], writer.write_h5
     def recording(path, *args):
         written.append(os.path.basename(path))
         return original(path, *args)
 
-    monkeypatch.setattr(storage, "write_h5", recording)
+    monkeypatch.setattr(writer, "write_h5", recording)
     acc.save_model(model, target, max_shard_size="20KB", safe_serialization=False)
     index = json.loads((target / "model.index.json").read_text())
     # 8 KiB bf16 weight + 128 B bias per layer: two layers fit in 20 KB, so three shards
@@ -755,16 +755,16 @@ def test_a_buffer_under_two_names_is_saved_once_as_rank_0_has_it(mpi_tmp_path, c
 def test_every_directory_a_save_creates_is_made_durable(tmp_path, monkeypatch):
     # A save into project/checkpoints/checkpoint_0 may create all three: each one's entry in
     # its parent must be fsynced, or a power loss can lose the committed checkpoint.
-    from mpaccel.checkpoint import storage
+    from mpaccel.checkpoint import writer
 
     synced = []
-    monkeypatch.setattr(storage, "fsync_path", synced.append)
+    monkeypatch.setattr(writer, "fsync_path", synced.append)
     project = tmp_path / "project"
-    storage.make_directory(str(project / "checkpoints" / "checkpoint_0"))
+    writer.make_directory(str(project / "checkpoints" / "checkpoint_0"))
     assert synced == [str(tmp_path), str(project), str(project / "checkpoints")]
     assert (project / "checkpoints" / "checkpoint_0").is_dir()
     synced.clear()
-    storage.make_directory(str(tmp_path / "project"))  # exists: nothing created, nothing synced
+    writer.make_directory(str(tmp_path / "project"))  # exists: nothing created, nothing synced
     assert synced == []
 
 
@@ -908,7 +908,7 @@ def test_loading_the_other_kind_of_checkpoint_says_so(mpi_tmp_path, comm):
 def test_a_failed_commit_removes_the_new_files_and_keeps_the_old_checkpoint(
     mpi_tmp_path, comm, monkeypatch
 ):
-    from mpaccel.checkpoint import storage
+    from mpaccel.checkpoint import writer
 
     acc, model, opt, sched, loader, progress = _setup()
     target = mpi_tmp_path / "ckpt"
@@ -918,7 +918,7 @@ def test_a_failed_commit_removes_the_new_files_and_keeps_the_old_checkpoint(
     def full_disk(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(storage, "write_index", full_disk)
+    monkeypatch.setattr(writer, "write_index", full_disk)
     with pytest.raises(CollectiveError, match="committing the index"):
         acc.save_state(target)
     acc.wait_for_everyone()  # every rank has removed its files
@@ -927,7 +927,7 @@ def test_a_failed_commit_removes_the_new_files_and_keeps_the_old_checkpoint(
     # A failure once the index is in place (here: removing the previous save's files) is an
     # error too, but the new checkpoint is committed: its files stay.
     monkeypatch.undo()
-    monkeypatch.setattr(storage, "remove_stale", full_disk)
+    monkeypatch.setattr(writer, "remove_stale", full_disk)
     with pytest.raises(CollectiveError, match="committing the index"):
         acc.save_state(target)
     acc.load_state(target)
@@ -1007,7 +1007,7 @@ def test_rotation_makes_room_before_a_save_removes_debris_and_says_so(
     acc.wait_for_everyone()
     assert checkpoint_module.checkpoints_in(str(mpi_tmp_path))[0][2] is False
     complete_at_write = []
-    real = checkpoint_module.write_checkpoint
+    real = save_module.write_checkpoint
 
     def writing(*args, **kwargs):
         found = checkpoint_module.checkpoints_in(str(mpi_tmp_path))

@@ -13,11 +13,12 @@ import h5py
 import numpy as np
 import pytest
 
-from mpaccel.checkpoint import error_keeping_file as sink_module
-from mpaccel.checkpoint import rawio, storage
+from mpaccel.checkpoint import rawio
 from mpaccel.checkpoint import reader as reader_module
-from mpaccel.checkpoint.error_keeping_file import ErrorKeepingFile
+from mpaccel.checkpoint import writer as writer_module
 from mpaccel.checkpoint.index import CheckpointIndex, TensorEntry
+from mpaccel.checkpoint.writer import ErrorKeepingFile
+from mpaccel.errors import CheckpointError
 
 pytestmark = pytest.mark.mpi(size=1)
 
@@ -48,7 +49,7 @@ BIG = {**ARRAYS, "model/big": np.arange(300_000, dtype=np.float32)}  # several r
 def _write_checkpoint_file(path):
     """The checkpoint writer: HDF5's metadata through the sink, the data through rawio.
     Returns the index entries and the file's size."""
-    return storage.write_h5(str(path), BIG, {k: str(a.dtype) for k, a in BIG.items()})
+    return writer_module.write_h5(str(path), BIG, {k: str(a.dtype) for k, a in BIG.items()})
 
 
 # (writer, the arrays it writes); rawio's pieces made small so that BIG takes several
@@ -75,7 +76,7 @@ def test_checkpoint_entries_hold_the_checksums(monkeypatch, tmp_path):
     monkeypatch.setattr(rawio, "PIECE", 64 << 10)
     entries, size = _write_checkpoint_file(tmp_path / "sums.h5")
     for key, array in BIG.items():
-        assert entries[key].xxh3 == storage.checksum(array), key
+        assert entries[key].xxh3 == writer_module.checksum(array), key
     assert size == os.path.getsize(tmp_path / "sums.h5")
     with h5py.File(tmp_path / "sums.h5", "r") as f:  # the index says where HDF5 put the data
         for key in BIG:  # 0-d ones included: HDF5 writes those itself
@@ -91,7 +92,7 @@ def test_enospc_at_every_write_is_raised_after_a_clean_close(monkeypatch, tmp_pa
         calls.append(offset)
         return real(fd, data, offset)
 
-    monkeypatch.setattr(sink_module.os, "pwrite", counting)
+    monkeypatch.setattr(writer_module.os, "pwrite", counting)
     write(tmp_path / "count.h5")
     total = len(calls)
     # superblock/metadata and the raw data go through separate writes (several pieces for BIG)
@@ -108,7 +109,7 @@ def test_enospc_at_every_write_is_raised_after_a_clean_close(monkeypatch, tmp_pa
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real(fd, data, offset)
 
-        monkeypatch.setattr(sink_module.os, "pwrite", full_disk)
+        monkeypatch.setattr(writer_module.os, "pwrite", full_disk)
         path = tmp_path / f"fail-{failing}.h5"
         with pytest.raises(OSError) as info:
             write(path)
@@ -118,17 +119,17 @@ def test_enospc_at_every_write_is_raised_after_a_clean_close(monkeypatch, tmp_pa
             assert len(seen) == failing + 1  # after the first failure nothing more is attempted
         else:
             assert not path.exists()  # never renamed into place
-    monkeypatch.setattr(sink_module.os, "pwrite", real)
+    monkeypatch.setattr(writer_module.os, "pwrite", real)
 
 
 def test_short_writes_are_completed(monkeypatch, tmp_path, writer):
     _, write, arrays = writer
     real = os.pwrite
     monkeypatch.setattr(
-        sink_module.os, "pwrite", lambda fd, data, offset: real(fd, data[:1000], offset)
+        writer_module.os, "pwrite", lambda fd, data, offset: real(fd, data[:1000], offset)
     )
     write(tmp_path / "short.h5")
-    monkeypatch.setattr(sink_module.os, "pwrite", real)
+    monkeypatch.setattr(writer_module.os, "pwrite", real)
     with h5py.File(tmp_path / "short.h5", "r") as f:
         for key, array in arrays.items():
             np.testing.assert_array_equal(f[key][()], array)
@@ -227,7 +228,7 @@ def test_a_corrupted_piece_and_a_truncated_file_are_named_errors(monkeypatch, tm
         raw.seek(offset + 2 * (64 << 10) + 5)
         raw.write(bytes([byte[0] ^ 1]))
     with _reader_for(path, entries, size) as reader:
-        with pytest.raises(storage.CheckpointError, match="checksum mismatch for 'model/big'"):
+        with pytest.raises(CheckpointError, match="checksum mismatch for 'model/big'"):
             reader.read_array("model/big", entries["model/big"])
         np.testing.assert_array_equal(  # unverified, the other tensors read fine
             reader.read_array("model/weight", entries["model/weight"]), BIG["model/weight"]
@@ -235,10 +236,10 @@ def test_a_corrupted_piece_and_a_truncated_file_are_named_errors(monkeypatch, tm
     with _reader_for(path, entries, size) as reader:
         reader.read_array("model/weight", entries["model/weight"])  # the file is open now
         os.truncate(path, offset + 100_000)  # and then shrinks under the reader
-        with pytest.raises(storage.CheckpointError, match=r"model/big.*truncated") as info:
+        with pytest.raises(CheckpointError, match=r"model/big.*truncated") as info:
             reader.read_array("model/big", entries["model/big"])
         assert str(path) in str(info.value)
-    with pytest.raises(storage.CheckpointError, match="cannot open checkpoint file"):
+    with pytest.raises(CheckpointError, match="cannot open checkpoint file"):
         with _reader_for(path, entries, size) as reader:  # HDF5 itself sees it at open
             reader.read_array("model/big", entries["model/big"])
 
@@ -291,7 +292,7 @@ def test_deferred_reads_check_the_file_and_leave_the_destinations_alone(
         raw.write(bytes([byte[0] ^ 1]))
     with _reader_for(path, entries, size) as reader:
         held, dest = reader_module.Deferred(), destinations()
-        with pytest.raises(storage.CheckpointError, match="checksum mismatch for 'model/big'"):
+        with pytest.raises(CheckpointError, match="checksum mismatch for 'model/big'"):
             reader.read_arrays([(k, entries[k], dest[k], True) for k in keys], defer=held)
         assert all((dest[key] == 7).all() for key in keys)
     with open(path, "r+b") as raw:  # repaired; checked; then changed again before the fill
@@ -303,7 +304,7 @@ def test_deferred_reads_check_the_file_and_leave_the_destinations_alone(
         with open(path, "r+b") as raw:
             raw.seek(offset + (500 << 10))
             raw.write(bytes([byte[0] ^ 1]))
-        with pytest.raises(storage.CheckpointError, match="checksum mismatch for 'model/big'"):
+        with pytest.raises(CheckpointError, match="checksum mismatch for 'model/big'"):
             reader.fill(held)
 
 
@@ -322,6 +323,7 @@ GIVEN_UP = """
 import sys
 from mpaccel.checkpoint import rawio, reader
 from mpaccel.checkpoint.index import CheckpointIndex, TensorEntry
+from mpaccel.errors import StalledIOError
 entries = {"model/big": TensorEntry(sys.argv[2], "float32", (300000,), 1200000, "0",
                                     int(sys.argv[3]))}
 r = reader.CheckpointReader.__new__(reader.CheckpointReader)
@@ -333,7 +335,7 @@ r._reset_files()
 try:
     rawio.within(1.0, "reading", lambda: r.read_arrays([("model/big", entries["model/big"],
                                                         None, True)]))
-except rawio.StalledIOError as exc:
+except StalledIOError as exc:
     print(exc.message, flush=True)
 """
 
@@ -368,13 +370,13 @@ def test_io_that_stops_answering_is_given_up_named_and_left_behind(tmp_path):
 def test_uninitialized_lazy_parameters_are_not_read_into():
     import torch
 
-    from mpaccel.checkpoint import read_plan
+    from mpaccel.checkpoint import reader
 
     lazy = torch.nn.LazyLinear(4)
     entry = TensorEntry("w.h5", "float32", (4, 3), 48, "0" * 16, 0)
-    assert read_plan.writable_view(lazy.weight, entry) is None
-    assert read_plan.writable_view(torch.zeros(3, 4).t(), entry) is None  # not contiguous
-    assert read_plan.writable_view(torch.zeros(4, 3), entry) is not None
+    assert reader.writable_view(lazy.weight, entry) is None
+    assert reader.writable_view(torch.zeros(3, 4).t(), entry) is None  # not contiguous
+    assert reader.writable_view(torch.zeros(4, 3), entry) is not None
 
 
 # -- reading behind another reader (the non-first ranks of a node in a collective load) ---------

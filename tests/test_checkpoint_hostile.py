@@ -677,12 +677,12 @@ def test_the_index_scanner_agrees_with_the_json_it_scans(monkeypatch):
     too deep or holding a string or number too long (small limits, to hit them often)."""
     import random
 
-    from mpaccel.checkpoint import index_scan
+    from mpaccel.checkpoint import index_check
 
-    monkeypatch.setattr(index_scan, "MAX_DEPTH", 4)
-    monkeypatch.setattr(index_scan, "MAX_STRING_BYTES", 14)
-    monkeypatch.setattr(index_scan, "MAX_INT_DIGITS", 6)
-    monkeypatch.setattr(index_scan, "_LONG_NUMBER", b"0" * 7)
+    monkeypatch.setattr(index_check, "MAX_DEPTH", 4)
+    monkeypatch.setattr(index_check, "MAX_STRING_BYTES", 14)
+    monkeypatch.setattr(index_check, "MAX_INT_DIGITS", 6)
+    monkeypatch.setattr(index_check, "_LONG_NUMBER", b"0" * 7)
     rng = random.Random(18)
     verdicts = set()
     for _ in range(3000):
@@ -690,7 +690,7 @@ def test_the_index_scanner_agrees_with_the_json_it_scans(monkeypatch):
         text = json.dumps(value).encode()
         depth, longest, digits = _measure(value)
         expected = depth <= 4 and longest <= 14 and digits <= 6
-        scanner = index_scan.IndexScanner("t")
+        scanner = index_check.IndexScanner("t")
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(4))))
         try:
             for start, end in zip([0, *cuts], [*cuts, len(text)]):

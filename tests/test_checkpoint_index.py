@@ -18,8 +18,8 @@ from mpaccel import PartialState
 from mpaccel.checkpoint.format import INDEX_DIGEST
 from mpaccel.checkpoint.index import CheckpointIndex, RowSlice, TensorEntry
 from mpaccel.checkpoint.reader import CheckpointReader
-from mpaccel.checkpoint.sharded import save_sharded
-from mpaccel.checkpoint.storage import write_checkpoint
+from mpaccel.checkpoint.sharded.save import save_sharded
+from mpaccel.checkpoint.writer import write_checkpoint
 
 pytestmark = pytest.mark.mpi_timeout(300)
 
@@ -209,9 +209,9 @@ _DENSE = {  # JSON values of one kind, each about as costly per byte as JSON all
 @pytest.mark.parametrize("kind", list(_DENSE))
 def test_the_densest_index_the_bound_lets_through_costs_at_most_10x_its_size(tmp_path, kind):
     """An index padded under `metadata` with the values that cost the most memory per byte,
-    spaced out just enough to pass the bound (index_scan.MAX_VALUE_COST): opening it (read,
+    spaced out just enough to pass the bound (index_check.MAX_VALUE_COST): opening it (read,
     parse, schema, checksum, typed index) takes at most 10x its size."""
-    from mpaccel.checkpoint import index_scan
+    from mpaccel.checkpoint import index_check
     from mpaccel.checkpoint.format import index_digest
 
     write_checkpoint(PartialState().comm, str(tmp_path / "d"), "state", _state(),
@@ -222,13 +222,13 @@ def test_the_densest_index_the_bound_lets_through_costs_at_most_10x_its_size(tmp
     items = [make(i) for i in range(count)]
     opened, closed = ("{", "}") if ":" in items[0] and not items[0].startswith("{") else "[]"
     sample = opened + ",".join(items) + closed
-    scanner = index_scan.IndexScanner("sample")
+    scanner = index_check.IndexScanner("sample")
     scanner.feed(sample.encode())
     strings = scanner.quotes // 2 - scanner.keys
-    cost = (scanner.cost + index_scan.ENTRY_COST * scanner.keys
-            + index_scan.STRING_COST * strings)
+    cost = (scanner.cost + index_check.ENTRY_COST * scanner.keys
+            + index_check.STRING_COST * strings)
     # blanks after each item, so that the whole costs just under the bound
-    blanks = max(0, -(-cost // (index_scan.MAX_VALUE_COST * count)) - len(sample) // count)
+    blanks = max(0, -(-cost // (index_check.MAX_VALUE_COST * count)) - len(sample) // count)
     # (FREE_COST lets 1 MiB more through, about what the rest of the index leaves unused)
     pad = opened + ("," + " " * blanks).join(items) + closed
     document = json.loads(path.read_text())

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from mpaccel.checkpoint import AsyncSaver, load_model_state
-from mpaccel.checkpoint import sharded as sharded_module
-from mpaccel.checkpoint.format import CheckpointCollectiveError
 from mpaccel.checkpoint.reader import CheckpointReader
-from mpaccel.checkpoint.sharded import save_sharded
-from mpaccel.checkpoint.sharded_export import export_full
-from mpaccel.checkpoint.sharded_read import load_sharded, verify_sliced
-from mpaccel.checkpoint.storage import write_checkpoint
+from mpaccel.checkpoint.sharded import save as sharded_module
+from mpaccel.checkpoint.sharded.export import export_full
+from mpaccel.checkpoint.sharded.load import load_sharded, verify_sliced
+from mpaccel.checkpoint.sharded.save import save_sharded
+from mpaccel.checkpoint.writer import write_checkpoint
+from mpaccel.errors import CheckpointCollectiveError
 
 pytestmark = pytest.mark.mpi_timeout(300)
 
@@ -233,8 +233,8 @@ SCRIPT = textwrap.dedent('''
     sys.path.insert(0, TESTS_DIR)
     from mpaccel import PartialState
     from mpaccel.checkpoint import sharded
-    from mpaccel.checkpoint.sharded import save_sharded
-    from mpaccel.checkpoint.sharded_read import load_sharded
+    from mpaccel.checkpoint.sharded.save import save_sharded
+    from mpaccel.checkpoint.sharded.load import load_sharded
     import test_checkpoint_sharded as t
 
     mode, directory = sys.argv[1], sys.argv[2]

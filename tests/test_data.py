@@ -914,7 +914,7 @@ def test_the_prepared_loader_state_dict_resumes_mid_epoch(comm, source, dispatch
     epoch (Accelerate's test_stateful_dataloader, without torchdata). Its keys are the position
     a checkpoint records (what mpaccel.checkpoint collects of a per-rank Stateful)."""
     from mpaccel.checkpoint import TrainingState
-    from mpaccel.checkpoint.training_state import collect
+    from mpaccel.checkpoint.training import collect
 
     def dataloader_position(loader):
         return collect(comm, TrainingState(per_rank={"dataloader_0": loader}))[1]["dataloader_0"]

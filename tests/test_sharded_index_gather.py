@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from mpaccel.checkpoint.sharded import save_sharded
+from mpaccel.checkpoint.sharded.save import save_sharded
 
 pytestmark = pytest.mark.mpi_timeout(300)
 

@@ -183,7 +183,7 @@ def test_an_io_error_after_the_checks_gives_back_what_it_can_and_says_what_not(
     in-place read of its rows fails. Every rank raises, gives the scheduler and the optimizer's
     param groups back, leaves the RNG states alone, and warns naming the tensors read in
     place (those of the other ranks may hold the checkpoint's bytes)."""
-    from mpaccel.checkpoint import sharded_state
+    from mpaccel.checkpoint.sharded import state as sharded_state
 
     acc, model, opt, sched = _trained("plain", 1, seed=1, steps=2)
     directory = acc.save_state(str(mpi_tmp_path / "ckpt"))

@@ -25,14 +25,17 @@ import torch
 
 from .. import _env
 from ..comm import Comm, agreement
-from ..errors import MpaccelRuntimeWarning
+from ..errors import CheckpointCollectiveError, CheckpointError, MpaccelRuntimeWarning
 from . import rawio
-from .api import MODEL_LOAD_OPTIONS
 from .files import descriptor_path, open_directory, open_regular
-from .format import CheckpointCollectiveError, CheckpointError
-from .rng_state import checked_rng_state, set_rng_state
-from .stateful import TrainingState
-from .training_state import Rollback, load_into
+from .training import (
+    Rollback,
+    TrainingState,
+    checked_rng_state,
+    load_into,
+    model_load_options,
+    set_rng_state,
+)
 
 _MARKERS = ("model.safetensors", "pytorch_model.bin", "optimizer.bin", "random_states_0.pkl")
 _RNG_FILE = re.compile(r"random_states_(\d+)\.pkl")
@@ -104,12 +107,7 @@ def load_accelerate_state(
     the ranks where it happened."""
     if allow_pickle is None:
         allow_pickle = _env.get_bool("allow_pickle", False)
-    unknown = sorted(set(model_options) - set(MODEL_LOAD_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"load_state() got unexpected keyword argument(s) {unknown}: the keywords it passes "
-            f"on to the models' load_state_dict are {list(MODEL_LOAD_OPTIONS)}"
-        )
+    model_options = model_load_options(model_options)
     what = f"loading Accelerate checkpoint {directory!r}"
     limit = rawio.stall_limit(comm.default_timeout)
     with agreement(comm, what, kind=CheckpointCollectiveError):

@@ -9,10 +9,11 @@ import sys
 
 import torch
 
-from .format import CheckpointError, dataset_name, unflatten
+from ..errors import CheckpointError
+from .format import dataset_name, unflatten
 from .index import CheckpointIndex
 from .reader import CheckpointReader
-from .sharded_read import read_full, verify_sliced
+from .sharded.load import read_full, verify_sliced
 
 STEMS = ("state", "model", "sharded")
 

@@ -20,8 +20,8 @@ import os
 import shutil
 import stat
 
-from .format import CheckpointError
-from .index_fields import plain_name
+from ..errors import CheckpointError
+from .index_check import plain_name
 
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer forever. On a regular file it
 # changes nothing but one thing: a lease another process holds (a file server's) makes the open

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..errors import CollectiveError, MpaccelError
+from ..errors import CheckpointError
 from .rawio import byte_view
 
 FORMAT_NAME = "mpaccel-checkpoint"
@@ -29,18 +29,8 @@ FORMAT_VERSION = 1  # what save_state/save_model write: their layout did not cha
 SHARDED_FORMAT_VERSION = 2
 # Levels of nesting a state tree may have: its document in the index nests at most 3 JSON levels
 # per level (a dict with other than str keys is {"__items__": [[key, value]]}), under 5 of the
-# index's own, which stays within what readers accept (index_scan.MAX_DEPTH).
+# index's own, which stays within what readers accept (index_check.MAX_DEPTH).
 MAX_NESTING = 64
-
-
-class CheckpointError(MpaccelError):
-    """A checkpoint cannot be written, found, read or trusted; names the file and key."""
-
-
-class CheckpointCollectiveError(CollectiveError, CheckpointError):
-    """A save or load failed on one or more ranks: raised on every rank, naming each failing
-    rank's error (`.failures`). Both a CollectiveError and a CheckpointError, so that either
-    `except` catches it."""
 
 
 # torch dtypes numpy (and so HDF5) cannot hold: stored as same-width unsigned ints.
@@ -165,7 +155,7 @@ def _check_array(value: Any, prefix: str, path: str) -> None:
                 "and its mask would be lost",
                 "store its .data and .mask as two arrays.",
             )
-        if not _numpy_storable(value.dtype):
+        if not numpy_storable(value.dtype):
             raise CheckpointError(
                 f"cannot store numpy array of dtype {value.dtype} at key {where}: checkpoints "
                 "hold numpy arrays of bool, integer, float, complex, fixed-size bytes (S) and "
@@ -198,11 +188,11 @@ def _check_array(value: Any, prefix: str, path: str) -> None:
         )
 
 
-def _numpy_storable(dtype: np.dtype) -> bool:
+def numpy_storable(dtype: np.dtype) -> bool:
     if dtype.fields is not None:
-        return all(_numpy_storable(field[0]) for field in dtype.fields.values())
+        return all(numpy_storable(field[0]) for field in dtype.fields.values())
     if dtype.subdtype is not None:
-        return _numpy_storable(dtype.subdtype[0])
+        return numpy_storable(dtype.subdtype[0])
     return dtype.kind in _NUMPY_KINDS
 
 

@@ -1,8 +1,16 @@
-"""The schema a checkpoint index read from disk must have before anything uses it (types,
-ranges, plain file names, extents that fit the files, well-formed state documents: those in
-index_documents.py), once index_scan.py bounded its bytes. Pure functions of bytes and JSON
-values; index_read.py does the I/O, index.py builds the typed index from what passed. Every
-failure is a CheckpointError naming the file and the field (index_fields.py)."""
+"""The one schema a checkpoint index read from disk must meet before anything uses it: its
+bytes bounded (size cap, string and number lengths, and the memory its values take once
+parsed, by scan()), then the parsed document's types, ranges, plain file names, extents that
+fit the files and well-formed state documents (check_index). Pure functions of bytes and JSON
+values; index.py does the I/O and builds the typed index from what passed. Every failure is a
+CheckpointError naming the file and the field (Checker).
+
+One concept, past 600 lines: every rule a hostile index must pass, in one place. The numpy
+pre-lexer (scan) stays because it is what keeps the memory bound that
+tests/test_checkpoint_index.py measures (a padded index costs at most ~6x its size once
+parsed): json.loads refuses deep nesting itself, but not a document of many tiny values (an
+empty `{}` is 3 bytes of text and 64 of Python), which only counting them before parsing
+bounds."""
 
 from __future__ import annotations
 
@@ -11,22 +19,23 @@ import functools
 import gc
 import json
 import math
+import random
 import re
-from collections.abc import Iterator
+import reprlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from ..errors import CheckpointError
 from .format import (
     FORMAT_NAME,
+    MAX_NESTING,
     SHARDED_FORMAT_VERSION,
-    CheckpointError,
-    _numpy_storable,
+    dataset_name,
+    numpy_storable,
     storage_dtype,
 )
-from .index_documents import check_document
-from .index_fields import TORCH_NAME, Checker, field_path, is_int, plain_name, show
-from .index_scan import HINT as _HINT
 
 MAX_DIMS = 64  # numpy's
 _HEX16 = re.compile(r"[0-9a-f]{16}\Z")
@@ -49,7 +58,7 @@ def decode_text(data: bytes | bytearray, path: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path!r} is not UTF-8 text: {exc}", _HINT) from None
+        raise CheckpointError(f"{path!r} is not UTF-8 text: {exc}", HINT) from None
 
 
 def decode_index(text: str, path: str) -> Any:
@@ -58,9 +67,9 @@ def decode_index(text: str, path: str) -> Any:
     try:
         return json.loads(text, parse_constant=_parse_constant)
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path!r} is not valid JSON: {exc}", _HINT) from exc
+        raise CheckpointError(f"{path!r} is not valid JSON: {exc}", HINT) from exc
     except ValueError as exc:  # int() under a lower sys.set_int_max_str_digits() than ours
-        raise CheckpointError(f"{path!r}: {exc}", _HINT) from exc
+        raise CheckpointError(f"{path!r}: {exc}", HINT) from exc
 
 
 @contextlib.contextmanager
@@ -83,7 +92,7 @@ def check_index(index: Any, path: str) -> None:
     of format version 1 may add optional ones)."""
     c = Checker(path)
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{path!r} is not an mpaccel checkpoint index", _HINT)
+        raise CheckpointError(f"{path!r} is not an mpaccel checkpoint index", HINT)
     version = index.get("format_version", 0)
     if not is_int(version) or version < 0:
         raise c.fail(("format_version",), f"is {show(version)}: expected an integer >= 0")
@@ -290,7 +299,7 @@ def _itemsize(dtype: str) -> int | None:
     except (TypeError, ValueError, SyntaxError):
         # str() of a structured type does not parse back: the file's dtype decides
         return 0 if dtype.startswith(("numpy.[", "numpy.{")) else None
-    if parsed.hasobject or not _numpy_storable(parsed):
+    if parsed.hasobject or not numpy_storable(parsed):
         return None
     return parsed.itemsize
 
@@ -310,3 +319,463 @@ def _check_extents(c: Checker, extents: dict[str, list[_Extent]], sizes: dict[st
             if offset < end:
                 raise c.fail(at, f"is {offset}: its bytes overlap those of {field_path(previous)}")
             end, previous = max(end, offset + nbytes), (*where, "tensors", key)
+
+
+TORCH_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")  # a torch dtype's name, as torch spells it
+
+
+def field_path(path: tuple) -> str:
+    """('tensors', 'model/w', 'offset') -> tensors['model/w']['offset']"""
+    return (str(path[0]) + "".join(f"[{part!r}]" for part in path[1:])) if path else "the index"
+
+
+def _fail(file: str, path: tuple, message: str) -> CheckpointError:
+    return CheckpointError(f"{file!r}: {field_path(path)} {message}", HINT)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxstring, _REPR.maxother = 2, 3, 4, 300, 80
+
+
+def show(value: Any) -> str:
+    """repr(value), cut to about a line (without building the whole repr of a large value), a
+    file name in full."""
+    return _REPR.repr(value)
+
+
+def is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def plain_name(name: Any) -> bool:
+    """A file name that stays in its directory: no separator, not '.' or '..', no NUL."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and not any(c in name for c in "/\\\x00")
+    )
+
+
+class Checker:
+    """Field checks whose failures name the index file and the field."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, where: tuple, message: str) -> CheckpointError:
+        return _fail(self.path, where, message)
+
+    def get(self, obj: dict, where: tuple, key: str, kind: type, optional: bool = False) -> Any:
+        """obj[key], of type `kind` (exactly: a bool is no int)."""
+        if key not in obj:
+            if optional:
+                return None
+            raise self.fail((*where, key), "is missing")
+        value = obj[key]
+        if type(value) is not kind:
+            raise self.fail((*where, key), f"is {show(value)}: expected {article(kind.__name__)}")
+        return value
+
+    def integer(
+        self, obj: dict, where: tuple, key: str, low: int = 0, optional: bool = False
+    ) -> Any:
+        if key not in obj:
+            if optional:
+                return None
+            raise self.fail((*where, key), "is missing")
+        value = obj[key]
+        if not is_int(value) or value < low:
+            raise self.fail((*where, key), f"is {show(value)}: expected an integer >= {low}")
+        return value
+
+    def name(self, value: Any, where: tuple) -> str:
+        if not plain_name(value):
+            raise self.fail(
+                where,
+                f"is {show(value)}: expected a plain file name in the checkpoint directory (no "
+                "directory part, not '.' or '..')",
+            )
+        return value
+
+
+def article(name: str) -> str:
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
+_SCALAR_DTYPE = re.compile(r"[<>=|]?(bool|u?int(8|16|32|64)|float(16|32|64)|U\d{1,6})\Z")
+
+_TAGS = ("__tensor__", "__tuple__", "__items__", "__float__", "__npscalar__", "__torch_dtype__")
+
+
+def check_document(c: Checker, document: Any, where: tuple, component: str, tensors: dict) -> None:
+    """A state document holds JSON values and the tags format.unflatten reads, each well formed
+    (what unflatten would otherwise fail on with a raw Python error), and names tensors of the
+    index only. Iterative (the depth was bounded by the scanner); each value's path is kept as
+    (parent's path, key) and spelt out on failure only."""
+    stack: list[tuple[Any, Any]] = [(document, (None, where))]
+    while stack:
+        value, at = stack.pop()
+        if type(value) is list:
+            stack.extend((v, (at, i)) for i, v in enumerate(value))
+        elif type(value) is dict:
+            name = value.get("__tensor__")
+            if type(name) is str and _tensor_ok(value, dataset_name(component, name), tensors):
+                continue  # (the common case, fast)
+            for tag in _TAGS:
+                if tag in value:
+                    stack.extend(_TAG_CHECKS[tag](_Tag(c, value, at), component, tensors))
+                    break
+            else:
+                stack.extend((v, (at, k)) for k, v in value.items())
+
+
+def _tensor_ok(value: dict, key: str, tensors: dict) -> bool:
+    return (
+        key in tensors
+        and value.get("__kind__", "torch") in ("torch", "numpy")
+        and type(value.get("__parameter__", False)) is bool
+        and type(value.get("__requires_grad__", False)) is bool
+    )
+
+
+class _Tag:
+    """A tagged dict of a document and its path (as check_document keeps it)."""
+
+    def __init__(self, c: Checker, value: dict, at: Any) -> None:
+        self.c, self.value, self.at = c, value, at
+
+    def path(self, *more: Any) -> tuple:
+        parts, linked = list(reversed(more)), self.at
+        while linked[0] is not None:
+            linked, key = linked
+            parts.append(key)
+        return (*linked[1], *reversed(parts))
+
+    def fail(self, key: str, message: str) -> CheckpointError:
+        return self.c.fail(self.path(key), message)
+
+    def get(self, key: str, kind: type) -> Any:
+        value = self.value.get(key)
+        if type(value) is not kind:
+            raise self.fail(key, f"is {show(value)}: expected {article(kind.__name__)}")
+        return value
+
+    def child(self, value: Any, *keys: Any) -> tuple[Any, Any]:
+        at = self.at
+        for key in keys:
+            at = (at, key)
+        return value, at
+
+
+def _tensor_tag(tag: _Tag, component: str, tensors: dict) -> Iterator:
+    name = tag.get("__tensor__", str)
+    if dataset_name(component, name) not in tensors:
+        raise tag.fail("__tensor__", f"names {name!r}, a tensor the index does not hold")
+    if tag.value.get("__kind__", "torch") not in ("torch", "numpy"):
+        raise tag.fail("__kind__", f"is {show(tag.value['__kind__'])}: expected torch or numpy")
+    for flag in ("__parameter__", "__requires_grad__"):
+        if flag in tag.value:
+            tag.get(flag, bool)
+    return iter(())
+
+
+def _tuple_tag(tag: _Tag, component: str, tensors: dict) -> Iterator:
+    items = tag.get("__tuple__", list)
+    if tag.value.get("__type__") == "torch.Size" and not all(is_int(i) for i in items):
+        raise tag.fail("__tuple__", f"is {show(items)}: a torch.Size holds integers")
+    return (tag.child(v, "__tuple__", i) for i, v in enumerate(items))
+
+
+def _items_tag(tag: _Tag, component: str, tensors: dict) -> Iterator:
+    items = tag.get("__items__", list)
+    for i, pair in enumerate(items):
+        if type(pair) is not list or len(pair) != 2:
+            raise tag.c.fail(tag.path("__items__", i),
+                             f"is {show(pair)}: expected a [key, value] pair")
+        key = pair[0]
+        hashable = key is None or type(key) in (str, int, float, bool) or (
+            type(key) is dict and (set(key) in ({"__npscalar__", "value"}, {"__float__"}))
+        )
+        if not hashable:
+            raise tag.c.fail(tag.path("__items__", i, 0), f"is {show(key)}: not a dict key")
+    return (
+        child
+        for i, (k, v) in enumerate(items)
+        for child in (tag.child(k, "__items__", i, 0), tag.child(v, "__items__", i, 1))
+    )
+
+
+def _float_tag(tag: _Tag, component: str, tensors: dict) -> Iterator:
+    text = tag.get("__float__", str)
+    try:
+        if len(text) > 64:
+            raise ValueError
+        float(text.removeprefix("np.float64(").removesuffix(")"))
+    except ValueError:
+        raise tag.fail("__float__", f"is {show(text)}: expected a float") from None
+    return iter(())
+
+
+def _npscalar_tag(tag: _Tag, component: str, tensors: dict) -> Iterator:
+    name = tag.get("__npscalar__", str)
+    if not _SCALAR_DTYPE.match(name):
+        raise tag.fail("__npscalar__", f"is {show(name)}: not a numpy scalar type mpaccel "
+                       "stores (bool, integer, float up to float64, str)")
+    dtype = np.dtype(name)
+    item, kind = tag.value.get("value"), dtype.kind
+    if kind in "iu":
+        info = np.iinfo(dtype)
+        fits = is_int(item) and int(info.min) <= int(item or 0) <= int(info.max)
+    else:
+        fits = (
+            (kind == "b" and type(item) is bool)
+            or (kind == "f" and (is_number(item) or item in ("nan", "inf", "-inf")))
+            or (kind == "U" and type(item) is str)
+        )
+    if not fits:
+        raise tag.fail("value", f"is {show(item)}: not a value of numpy {name}")
+    return iter(())
+
+
+def _dtype_tag(tag: _Tag, component: str, tensors: dict) -> Iterator:
+    import torch
+
+    name = tag.get("__torch_dtype__", str)
+    if not TORCH_NAME.match(name) or not isinstance(getattr(torch, name, None), torch.dtype):
+        raise tag.fail("__torch_dtype__", f"is {show(name)}: not a torch dtype")
+    return iter(())
+
+
+_TAG_CHECKS: dict[str, Callable[..., Iterator]] = {
+    "__tensor__": _tensor_tag,
+    "__tuple__": _tuple_tag,
+    "__items__": _items_tag,
+    "__float__": _float_tag,
+    "__npscalar__": _npscalar_tag,
+    "__torch_dtype__": _dtype_tag,
+}
+
+
+MAX_INDEX_BYTES = 1 << 30  # an index holds the non-tensor state: ~10 KiB per rank (its RNG states)
+MAX_DEPTH = 200  # JSON nesting; json.loads and the readers of the state recurse once per level
+assert 5 + 3 * MAX_NESTING + 1 <= MAX_DEPTH  # what writers write, readers read
+MAX_STRING_BYTES = 16 << 20  # as written in the file (escapes included)
+MAX_INT_DIGITS = 4300  # Python's own default limit for int(str)
+# What json.loads builds, at most, per value (CPython 3.11, 64-bit, as tracemalloc counts it;
+# tests/test_checkpoint_index.py measures it): a dict (up to 184 bytes holding up to 5 items),
+# a list (56, and room for 4 items), an item (a reference, or a number: 40), a key (its entry
+# in the dict), a key not met before (a string of 49 bytes beside its text, and its place in
+# json's table of keys seen: json.loads makes each key once), any other string (49 bytes,
+# less the item counted for it; the strings' text costs what it takes in the file). An index
+# may hold values costing at most MAX_VALUE_COST times its size (and FREE_COST): with the
+# text itself, opening it then takes at most 10x its size, plus a few MiB
+# (docs/checkpoint-format.md, "Loading untrusted checkpoints"). Indexes mpaccel writes cost
+# about 4.5x (indented text; the smallest, up to ~7x, are dominated by their tags).
+DICT_COST = 168
+LIST_COST = 88
+ITEM_COST = 40
+ENTRY_COST = 48
+NEW_KEY_COST = 72
+STRING_COST = 24
+MAX_VALUE_COST = 6
+FREE_COST = 1 << 20  # beside it: a small index is refused for nothing (its tags are dense)
+HINT = "the index was damaged or crafted; restore it from a copy, or load another checkpoint."
+
+_DIGITS = b"0123456789"
+_AS_ZEROS = bytes.maketrans(_DIGITS, b"0" * 10)  # every digit a "0", nothing else is
+_LONG_NUMBER = b"0" * (MAX_INT_DIGITS + 1)
+_ZEROS = re.compile(b"0+")
+
+
+SCAN_CHUNK = 1 << 16  # numpy's work arrays for a chunk take up to ~40x its size
+_BASE = random.getrandbits(64) | 1  # of the keys' hashes: odd, so invertible modulo 2**64
+
+
+def scan(data: bytes | bytearray, path: str) -> None:
+    """Refuse, before any parsing, the bytes of an index (the whole file) that break a bound of
+    IndexScanner; nothing if they keep them."""
+    scanner = IndexScanner(path)
+    for start in range(0, len(data), SCAN_CHUNK):
+        scanner.feed(bytes(data[start:start + SCAN_CHUNK]))
+    scanner.finish()
+
+
+def _powers(base: int, count: int) -> np.ndarray:
+    """base ** i modulo 2**64, for i in range(count)."""
+    out = np.ones(count, dtype=np.uint64)
+    np.cumprod(np.full(count - 1, base, dtype=np.uint64), dtype=np.uint64, out=out[1:])
+    return out
+
+
+class IndexScanner:
+    """Refuses JSON nested deeper than MAX_DEPTH, holding a string longer than MAX_STRING_BYTES
+    or a number of more than MAX_INT_DIGITS digits, from the bytes, chunk by chunk, before
+    json.loads (which recurses, builds the string, and fails in int()) sees them. Vectorised:
+    the structural bytes are found with numpy, long numbers with a regular expression.
+
+    finish() then refuses an index whose values would take more than MAX_VALUE_COST times its
+    size in memory once parsed.
+
+    It tracks only quotes, backslashes, brackets, separators and digits. Where the text is not
+    JSON, the two may disagree only after the first byte json.loads refuses, which it reaches
+    first."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.pos = 0  # bytes fed so far
+        self.depth = 0
+        self.inside = False  # within a string
+        self.start = 0  # where the string we are within opened
+        self.slashes = 0  # backslashes that ended the previous chunk
+        self.digits = 0  # digits that ended it
+        self.quotes = 0  # string quotes so far
+        self.keys = 0  # ":" so far (outside strings): a key each
+        self.cost = 0  # what the dicts, lists, items and keys so far cost once parsed
+        self.seen: set[int] = set()  # hashes of the keys met so far
+        self.powers = np.ones(0, dtype=np.uint64)  # _BASE ** i, and its inverse's, mod 2**64
+        self.inverses = np.ones(0, dtype=np.uint64)
+
+    def feed(self, chunk: bytes) -> None:
+        a = np.frombuffer(chunk, dtype=np.uint8)
+        if not a.size:
+            return
+        quotes = np.flatnonzero(a == 0x22)
+        quotes = quotes[~self._escaped(a, quotes)]
+        # brackets outside strings: an even number of string quotes before them
+        brackets = np.flatnonzero((a == 0x5B) | (a == 0x5D) | (a == 0x7B) | (a == 0x7D))
+        outside = (np.searchsorted(quotes, brackets) + self.inside) % 2 == 0
+        brackets = brackets[outside]
+        if brackets.size:
+            opening = (a[brackets] == 0x5B) | (a[brackets] == 0x7B)
+            depths = self.depth + np.cumsum(np.where(opening, 1, -1))
+            deepest = int(depths.argmax())
+            if depths[deepest] > MAX_DEPTH:
+                raise CheckpointError(
+                    f"{self.path!r}: nested more than {MAX_DEPTH} levels deep (at byte "
+                    f"{self.pos + int(brackets[deepest])})",
+                    HINT,
+                )
+            self.depth = int(depths[-1])
+            dicts = int(np.count_nonzero(a[brackets] == 0x7B))
+            lists = int(np.count_nonzero(opening)) - dicts
+            self.cost += DICT_COST * dicts + LIST_COST * lists
+        commas = np.flatnonzero(a == 0x2C)  # outside strings: an even number of quotes before
+        self.cost += ITEM_COST * int(np.count_nonzero(
+            (np.searchsorted(quotes, commas) + self.inside) % 2 == 0))
+        colons = np.flatnonzero(a == 0x3A)
+        before = np.searchsorted(quotes, colons)
+        colons, before = colons[(before + self.inside) % 2 == 0], before[
+            (before + self.inside) % 2 == 0]
+        if colons.size:
+            self._count_keys(a, quotes, before - 1)
+        self.quotes += quotes.size
+        self._check_numbers(chunk, quotes)
+        marks = quotes + self.pos
+        if self.inside:
+            marks = np.concatenate(([self.start], marks))
+        pairs = marks.size // 2
+        if pairs:
+            lengths = marks[1 : 2 * pairs : 2] - marks[0 : 2 * pairs : 2] - 1
+            self._check_length(int(lengths.max()), int(marks[2 * int(lengths.argmax())]))
+        self.inside = bool(marks.size % 2)
+        if self.inside:
+            self.start = int(marks[-1])
+            self._check_length(self.pos + a.size - self.start - 1, self.start)
+        self.slashes = self._trailing_slashes(a)
+        self.pos += a.size
+
+    def _count_keys(self, a: np.ndarray, quotes: np.ndarray, closing: np.ndarray) -> None:
+        """Count the keys before this chunk's colons (`closing`: the index in `quotes` of the
+        quote that ends each key), and those not met before: by a hash of their bytes, with a
+        base drawn at random (a key whose string began in an earlier chunk counts as new)."""
+        self.keys += closing.size
+        whole = closing >= 1
+        new = int(closing.size - np.count_nonzero(whole))
+        closing = closing[whole]
+        if closing.size:
+            if self.powers.size <= a.size:
+                self.powers = _powers(_BASE, a.size + 1)
+                self.inverses = _powers(pow(_BASE, -1, 1 << 64), a.size + 1)
+            prefix = np.zeros(a.size + 1, dtype=np.uint64)
+            np.cumsum(a * self.powers[: a.size], dtype=np.uint64, out=prefix[1:])
+            starts, ends = quotes[closing - 1] + 1, quotes[closing]
+            hashes = ((prefix[ends] - prefix[starts]) * self.inverses[starts]
+                      + (ends - starts).astype(np.uint64))
+            known = len(self.seen)
+            self.seen.update(np.unique(hashes).tolist())
+            new += len(self.seen) - known
+        self.cost += NEW_KEY_COST * new
+
+    def finish(self) -> None:
+        """Once every chunk was fed: refuse an index whose values would take more than
+        MAX_VALUE_COST times its size in memory once parsed."""
+        self.seen.clear()
+        self.powers = self.inverses = np.ones(0, dtype=np.uint64)
+        strings = max(0, self.quotes // 2 - self.keys)  # (keys are strings too)
+        cost = self.cost + ENTRY_COST * self.keys + STRING_COST * strings
+        if cost > MAX_VALUE_COST * self.pos + FREE_COST:
+            raise CheckpointError(
+                f"{self.path!r}: {self.pos} bytes holding values that would take {cost} bytes "
+                f"of memory once parsed, more than {MAX_VALUE_COST}x its size (many small "
+                "JSON values: a padded or crafted index)",
+                HINT,
+            )
+
+    def _check_numbers(self, chunk: bytes, quotes: np.ndarray) -> None:
+        """No run of digits outside strings longer than MAX_INT_DIGITS (one may go on from the
+        previous chunk)."""
+        lead = len(chunk) - len(chunk.lstrip(_DIGITS))
+        starts = [0] if self.digits and self.digits + lead > MAX_INT_DIGITS else []
+        zeros = chunk.translate(_AS_ZEROS)  # a substring search, not a regex: linear and fast
+        found = zeros.find(_LONG_NUMBER)
+        while found >= 0:
+            starts.append(found)
+            end = _ZEROS.match(zeros, found)
+            found = zeros.find(_LONG_NUMBER, end.end() if end else found + 1)
+        for start in starts:
+            if (np.searchsorted(quotes, start) + self.inside) % 2 == 0:
+                raise CheckpointError(
+                    f"{self.path!r}: a number of more than {MAX_INT_DIGITS} digits (at byte "
+                    f"{self.pos + start})",
+                    HINT,
+                )
+        trail = len(chunk) - len(chunk.rstrip(_DIGITS))
+        self.digits = self.digits + lead if lead == len(chunk) else trail
+
+    def _check_length(self, length: int, at: int) -> None:
+        if length > MAX_STRING_BYTES:
+            raise CheckpointError(
+                f"{self.path!r}: a string of more than {MAX_STRING_BYTES} bytes (at byte {at})",
+                HINT,
+            )
+
+    def _escaped(self, a: np.ndarray, quotes: np.ndarray) -> np.ndarray:
+        """Which quotes follow an odd run of backslashes (runs may start in the last chunk)."""
+        escaped = np.zeros(quotes.size, dtype=bool)
+        slashes = np.flatnonzero(a == 0x5C)
+        if not quotes.size or (not slashes.size and not self.slashes):
+            return escaped
+        if slashes.size:
+            breaks = np.flatnonzero(np.diff(slashes) != 1) + 1
+            starts = slashes[np.concatenate(([0], breaks))]
+            ends = slashes[np.concatenate((breaks - 1, [slashes.size - 1]))]
+            lengths = ends - starts + 1
+            if starts[0] == 0:
+                lengths[0] += self.slashes
+            run = np.minimum(np.searchsorted(ends, quotes - 1), ends.size - 1)
+            escaped = (ends[run] == quotes - 1) & (lengths[run] % 2 == 1)
+        if quotes[0] == 0:
+            escaped[0] = self.slashes % 2 == 1
+        return escaped
+
+    def _trailing_slashes(self, a: np.ndarray) -> int:
+        if a[-1] != 0x5C:
+            return 0
+        others = np.flatnonzero(a != 0x5C)
+        run = a.size - 1 - int(others[-1]) if others.size else a.size + self.slashes
+        return int(run)

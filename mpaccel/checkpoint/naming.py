@@ -10,10 +10,9 @@ import warnings
 
 from ..comm import Comm, agreement
 from ..config import ProjectConfiguration
-from ..errors import MpaccelRuntimeWarning
+from ..errors import CheckpointCollectiveError, CheckpointError, MpaccelRuntimeWarning
 from . import rawio
-from .format import CheckpointCollectiveError, CheckpointError
-from .storage import delete_checkpoint
+from .writer import delete_checkpoint
 
 MODEL_STEM = "model"  # save_model: model.index.json
 STATE_STEM = "state"  # save_state: state.index.json (its presence makes a checkpoint complete)

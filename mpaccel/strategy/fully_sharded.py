@@ -561,7 +561,7 @@ class WholeSavePretrained:
         """Collective when no state_dict is passed: every rank calls it (the gather)."""
         args = list(given)  # transformers' order: is_main_process, state_dict, ...
         if (args[1] if len(args) > 1 else kwargs.get("state_dict")) is None:
-            from ..checkpoint import solo
+            from ..checkpoint import api as solo
 
             who = solo.who_saves(self.comm, "save_pretrained", save_directory)
             if who != solo.COLLECTIVE:

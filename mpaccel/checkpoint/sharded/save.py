@@ -1,6 +1,6 @@
 """Sharded checkpoints of state dicts whose tensors may be DTensors (fully_shard models and their
 optimizers): every rank writes only its own rows, and the index records which file holds which
-rows of each tensor (sharded_read.py loads them at any world size and sharding).
+rows of each tensor (sharded/load.py loads them at any world size and sharding).
 
 Call sequence of `save_sharded` (collective, every rank, each with its own shards):
   1. every rank takes its local rows (DTensor.to_local()) and flattens the state; the ranks
@@ -29,27 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..comm import Comm, agreement
-from ..errors import MpaccelRuntimeWarning
-from . import rawio
-from .format import (
-    CheckpointCollectiveError,
-    CheckpointError,
-    checksum,
-    contiguous,
-    dataset_name,
-    dtype_name,
-    flatten,
-    to_numpy,
-)
-from .index import CheckpointIndex, SlicedTensor
-from .storage import (
-    check_same_on_every_rank,
-    commit_index,
-    create_directory,
-    write_h5,
-    write_step,
-)
+from ...comm import Comm, agreement
+from ...errors import CheckpointCollectiveError, CheckpointError, MpaccelRuntimeWarning
+from .. import rawio
+from ..format import checksum, contiguous, dataset_name, dtype_name, flatten, to_numpy
+from ..index import CheckpointIndex, SlicedTensor
+from ..writer import check_same_on_every_rank, commit_index, create_directory, write_h5, write_step
 
 SHARDED_STEM = "sharded"
 BLOCK_BYTES = 4 << 20  # rows are checksummed in blocks of about this size: a partial read of a
@@ -72,7 +57,7 @@ def row_count(shape: tuple[int, ...] | list[int]) -> int:
     return int(shape[0]) if len(shape) else 1
 
 
-def _dtensor_rows(value: Any, where: str) -> Rows | None:
+def dtensor_rows(value: Any, where: str) -> Rows | None:
     """Rows of a DTensor (None for a plain tensor: every rank holds all of it)."""
     from torch.distributed.tensor import DTensor
 
@@ -110,7 +95,7 @@ def localize(tree: Any, prefix: str) -> tuple[Any, dict[int, tuple[Rows, Any]]]:
 
     def walk(value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):
-            rows = _dtensor_rows(value, f"{prefix}/{path}")
+            rows = dtensor_rows(value, f"{prefix}/{path}")
             if rows is None:
                 return value
             local = value.to_local()  # type: ignore[attr-defined]
@@ -182,7 +167,7 @@ def collect_local(state: Mapping[str, Any], rank: int) -> LocalState:
 
 def check_joined(comm: Comm, local: LocalState, what: str) -> None:
     """Collective, before anything of a save is written: refuse to save sharded state that
-    ranks holding rows of it did not join (a rank saving alone: checkpoint/solo.py), naming
+    ranks holding rows of it did not join (a rank saving alone: api.who_saves), naming
     them. Each rank's rows are its own: without theirs no tensor would be whole."""
     joined = comm.allgather(local.mesh_rank, what=what + " (which ranks save)")
     with agreement(comm, what, kind=CheckpointCollectiveError):
@@ -334,9 +319,9 @@ class CommittedIndex(Mapping[str, Any]):
 
     def _read(self) -> dict[str, Any]:
         if self._index is None:
-            from .files import open_directory
-            from .index_check import decode_index
-            from .index_read import index_path, read_index_text
+            from ..files import open_directory
+            from ..index import index_path, read_index_text
+            from ..index_check import decode_index
 
             path = index_path(self.directory, self.stem)
             dir_fd = open_directory(self.directory)  # read as a load reads it (files.py)
@@ -393,7 +378,7 @@ def save_sharded(
     check_same_on_every_rank(comm, what, local.documents, local.layout())
     if saver is None:
         return write_local(comm, directory, stem, local, metadata)
-    from .async_save import threads_ok
+    from ..async_save import threads_ok
 
     saver.wait()
     if not threads_ok():

@@ -1,27 +1,210 @@
-"""What save_state/load_state put in a checkpoint, and how it comes back.
-
-Shared (identical on every rank, written once, sharded across ranks): the models, optimizers and
-other Statefuls of a TrainingState. Per rank: RNG states (python, numpy, torch, CUDA), the
-per-rank Statefuls (data loader positions) and, mid-accumulation, the models' gradients.
-"""
+"""The training state a checkpoint holds: TrainingState (what save_state/load_state take:
+objects with state_dict()/load_state_dict(), the Stateful protocol of
+torch.distributed.checkpoint, by the name of their entry; from_prepared builds it from what an
+Accelerator prepared), collecting it for a save, checking and applying a checkpoint's states
+to it with a rollback, and each rank's RNG states (entry "rng")."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
+import itertools
+import random
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from .. import distributed
 from ..comm import Comm
-from .format import CheckpointError, view_identity
-from .read_plan import Deferred
-from .reader import CheckpointReader
-from .rng_state import RNG, checked_rng_state, rng_state, set_rng_state
-from .stateful import TrainingState
+from ..errors import CheckpointError
+from .format import view_identity
+from .reader import CheckpointReader, Deferred
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+def _empty() -> Mapping[str, Any]:
+    return {}
+
+
+def holds_dtensors(module: torch.nn.Module) -> bool:
+    """Not collective. `module` holds DTensors (fully sharded: each rank holds its rows)."""
+    # No DTensor exists unless torch.distributed.tensor was imported (FSDP), and importing it
+    # here would change a gloo teardown race (see mpaccel/fsdp.py's docstring).
+    tensors = sys.modules.get("torch.distributed.tensor")
+    return tensors is not None and any(
+        isinstance(t, tensors.DTensor) for t in itertools.chain(module.parameters(),
+                                                                module.buffers())
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingState:
+    """The objects of a training checkpoint, each under the name of its entry (the names are
+    the file format: docs/checkpoint-format.md). Entries are written in this order.
+
+    `models`: torch modules, unwrapped (stored once, with their buffers as rank 0 has them;
+    loaded in place, checked against the checkpoint first). `optimizers`: loaded in place too.
+    `shared`: any other Stateful whose state is the same on every rank (schedulers, the grad
+    scaler, registered objects, a step counter). `per_rank`: Statefuls whose state is each
+    rank's own (data loader positions); loaded at another world size, each takes rank 0's.
+    `gradients`: per-rank entry name -> model whose `.grad`s are saved (pass them only when
+    saving mid-accumulation; on load, the models to give them back to, at the same world size).
+    `optional`: names of `shared` a checkpoint may lack (left alone on load). The checkpoint
+    also holds each rank's RNG states (entry "rng") itself.
+    `sharded`: Statefuls whose state_dict() holds DTensors (fully_shard models, optimizers over
+    their parameters; an optimizer's state must exist before a load: create it first). Each
+    rank stores only its own rows, in the sharded part of the checkpoint, and on load reads the
+    rows it owns, from a sharded or an ordinary checkpoint. Models and optimizers saved in the
+    sharded part load into `models`/`optimizers` too (every rank reads whole tensors).
+    """
+
+    models: Mapping[str, torch.nn.Module] = dataclasses.field(default_factory=_empty)
+    optimizers: Mapping[str, torch.optim.Optimizer] = dataclasses.field(default_factory=_empty)
+    shared: Mapping[str, Stateful] = dataclasses.field(default_factory=_empty)
+    per_rank: Mapping[str, Stateful] = dataclasses.field(default_factory=_empty)
+    gradients: Mapping[str, torch.nn.Module] = dataclasses.field(default_factory=_empty)
+    optional: frozenset[str] = frozenset()
+    sharded: Mapping[str, Stateful] = dataclasses.field(default_factory=_empty)
+
+    @classmethod
+    def from_prepared(
+        cls,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Any],
+        schedulers: Sequence[Stateful],
+        loaders: Sequence[Stateful],
+        *,
+        scaler: Stateful | None = None,
+        custom: Sequence[Stateful] = (),
+        step: Stateful | None = None,
+        gradients: bool = False,
+        loading: bool = False,
+        optimizer_state: Callable[[Any, bool], Stateful] | None = None,
+    ) -> TrainingState:
+        """What an Accelerator's save_state/load_state hand the checkpoint, under the names of
+        its entries (docs/checkpoint-format.md): the (unwrapped) `models`, `optimizers`,
+        `schedulers`, the grad `scaler` (optional on load), the registered `custom` objects,
+        `step` (the Accelerator's micro-batch count, entry "accelerator") and the data
+        `loaders` (each rank's position); with `gradients`, the models' gradients per rank
+        (a save mid-accumulation). A model holding DTensors is fully sharded: it and every
+        optimizer (all built over the shards) are `sharded` entries, each optimizer as
+        `optimizer_state(optimizer, loading)` (a Stateful that, for a load, creates the state
+        a fresh optimizer lacks)."""
+        named = {f"model_{i}": module for i, module in enumerate(models)}
+        held = {f"optimizer_{i}": opt for i, opt in enumerate(optimizers)}
+        shared: dict[str, Stateful] = {f"scheduler_{i}": s for i, s in enumerate(schedulers)}
+        if scaler is not None:
+            shared["scaler"] = scaler
+        shared.update({f"custom_{i}": obj for i, obj in enumerate(custom)})
+        if step is not None:
+            shared["accelerator"] = step
+        sharded: dict[str, Any] = {n: m for n, m in named.items() if holds_dtensors(m)}
+        if sharded:
+            sharded.update({n: opt if optimizer_state is None else optimizer_state(opt, loading)
+                            for n, opt in held.items()})
+        return cls(
+            models={n: m for n, m in named.items() if n not in sharded},
+            optimizers={n: o for n, o in held.items() if n not in sharded},
+            shared=shared,
+            per_rank={f"dataloader_{i}": loader for i, loader in enumerate(loaders)},
+            gradients={n.replace("model", "gradients"): m for n, m in named.items()}
+            if gradients else {},
+            optional=frozenset({"scaler"}),
+            sharded=sharded,
+        )
+
+    def sharded_gradients(self) -> dict[str, torch.nn.Module]:
+        """The `gradients` entries whose model is one of `sharded` (a fully_shard model): their
+        gradients go as rows into the sharded part (sharded_state.SummedGradients), not per
+        rank."""
+        held = {id(obj) for obj in self.sharded.values()}
+        return {name: module for name, module in self.gradients.items() if id(module) in held}
+
+    def __post_init__(self) -> None:
+        shared = [*self.models, *self.optimizers, *self.shared, *self.sharded]
+        per_rank = ["rng", *self.per_rank, *self.gradients]
+        twice = sorted({n for names in (shared, per_rank) for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"TrainingState: two objects under each of the entry names {twice} (the shared "
+                "entries, and each rank's, need names of their own; 'rng' is the RNG states')"
+            )
+
+
+RNG = "rng"
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return state
+
+
+def checked_rng_state(state: Any, directory: str) -> dict[str, Any]:
+    """The saved RNG states as set_rng_state() takes them, each first set on a generator of its
+    own: one this process cannot take (a crafted or damaged checkpoint) is refused here, before
+    anything of the load is applied, rather than after the model and optimizer were."""
+    try:
+        version, internal, gauss = state["python"]
+        python_state = (version, tuple(internal), gauss)
+        random.Random().setstate(python_state)
+        numpy_state = tuple(state["numpy"])
+        np.random.RandomState().set_state(numpy_state)
+        torch_state = state["torch"]
+        torch.Generator().set_state(torch_state)
+        cuda_states = list(state.get("cuda", []))
+        for i, cuda_state in enumerate(cuda_states):
+            if i < torch.cuda.device_count():
+                torch.Generator(device=f"cuda:{i}").set_state(cuda_state)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{directory!r} holds RNG states this process cannot take "
+            f"({type(exc).__name__}: {exc})",
+            "the checkpoint is damaged or was not written by mpaccel; load another one.",
+        ) from exc
+    return {"python": python_state, "numpy": numpy_state, "torch": torch_state,
+            "cuda": cuda_states}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Set RNG states that checked_rng_state() returned (it tried each one: this cannot fail)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    for i, cuda_state in enumerate(state["cuda"]):
+        if i < torch.cuda.device_count():
+            torch.cuda.set_rng_state(cuda_state, i)
+
+
+MODEL_LOAD_OPTIONS = ("strict", "assign")  # what torch's Module.load_state_dict takes
+
+
+def model_load_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`options` for the models' load_state_dict, refused (TypeError, as for an unexpected
+    keyword) unless each is one of MODEL_LOAD_OPTIONS."""
+    given = dict(options or {})
+    unknown = sorted(set(given) - set(MODEL_LOAD_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"load_state() got unexpected keyword argument(s) {unknown}: the keywords it passes "
+            f"on to the models' load_state_dict are {list(MODEL_LOAD_OPTIONS)}"
+        )
+    return given
 
 
 def model_state(comm: Comm, module: torch.nn.Module) -> dict[str, Any]:

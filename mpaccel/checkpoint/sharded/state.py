@@ -17,17 +17,16 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm, agreement
-from . import rawio
-from .files import entry_exists, open_directory, replace_file
-from .format import CheckpointCollectiveError, CheckpointError
-from .index_read import index_path, parse_index, read_index, read_index_text
-from .reader import CheckpointReader
-from .sharded import SHARDED_STEM, LocalState, check_joined, collect_local, write_local
-from .sharded_read import Plan, apply, differences, fill_plan, plan, read_plan
-from .stateful import TrainingState
-from .storage import check_same_on_every_rank
-from .training_state import Rollback, check_optimizer, copy_of, load_into
+from ...comm import Comm, agreement
+from ...errors import CheckpointCollectiveError, CheckpointError
+from .. import rawio
+from ..files import entry_exists, open_directory, replace_file
+from ..index import index_path, parse_index, read_index, read_index_text
+from ..reader import CheckpointReader
+from ..training import Rollback, TrainingState, check_optimizer, copy_of, load_into
+from ..writer import check_same_on_every_rank
+from .load import Plan, apply, differences, fill_plan, plan, read_plan
+from .save import SHARDED_STEM, LocalState, check_joined, collect_local, write_local
 
 STATE_STEM = "state"
 SAVE_ID = "sharded"  # the key of the state index's metadata naming the sharded part's save id

@@ -26,18 +26,13 @@ import h5py
 import numpy as np
 import xxhash
 
-from ..comm import Comm, agreement
-from . import rawio
-from .error_keeping_file import ErrorKeepingFile
-from .format import (
-    FORMAT_NAME,
-    CheckpointCollectiveError,
-    checksum,
-    parse_size,
-)
-from .index import CheckpointIndex, TensorEntry
-from .sharded import LocalState, collect_local, row_count
-from .storage import (
+from ...comm import Comm, agreement
+from ...errors import CheckpointCollectiveError
+from .. import rawio
+from ..format import FORMAT_NAME, checksum, parse_size
+from ..index import CheckpointIndex, TensorEntry
+from ..writer import (
+    ErrorKeepingFile,
     check_same_on_every_rank,
     commit_index,
     contiguous_early,
@@ -45,6 +40,7 @@ from .storage import (
     plan_shards,
     write_step,
 )
+from .save import LocalState, collect_local, row_count
 
 MODEL_STEM = "model"
 

@@ -12,6 +12,11 @@ Call sequence of `write_checkpoint` (collective, every rank, same arguments but 
      then deletes files of earlier saves; all ranks agree it worked.
 Each rank's file I/O in 2-4 runs under rawio.within(): a rank whose file system stops
 answering fails the step under the collective timeout, and every rank raises naming it.
+HDF5 writes go through ErrorKeepingFile, which keeps HDF5 from ever seeing an I/O error (a
+failed write is raised in Python once HDF5 closed the file).
+
+One concept, just past 600 lines: writing a checkpoint directory, from its HDF5 files to the
+index that commits it and the removal of what it supersedes.
 """
 
 from __future__ import annotations
@@ -29,15 +34,17 @@ import h5py
 import numpy as np
 
 from ..comm import Comm, agreement
-from ..errors import MpaccelRuntimeWarning
+from ..errors import (
+    CheckpointCollectiveError,
+    CheckpointError,
+    MpaccelRuntimeWarning,
+    StalledIOError,
+)
 from . import rawio
-from .error_keeping_file import ErrorKeepingFile
 from .files import DIRECTORY_FLAGS, open_directory, remove_tree
 from .format import (
     FORMAT_NAME,
     INDEX_DIGEST,
-    CheckpointCollectiveError,
-    CheckpointError,
     checksum,
     contiguous,
     dataset_name,
@@ -47,7 +54,7 @@ from .format import (
     to_numpy,
 )
 from .index import CheckpointIndex, RankPart, TensorEntry
-from .index_scan import scan
+from .index_check import scan
 
 
 def plan_shards(sizes: list[tuple[str, int]], num_shards: int | None, max_bytes: int | None):
@@ -195,7 +202,7 @@ def write_h5(
     HDF5 lays the file out and writes its metadata; the data goes to the datasets' extents
     through rawio (parallel writes with early writeback: see rawio.py)."""
     partial = f"{path}.partial"
-    # HDF5 writes through a file object that keeps I/O errors from it (error_keeping_file.py);
+    # HDF5 writes through a file object that keeps I/O errors from it (ErrorKeepingFile, below);
     # they are raised by check()/finish(), after HDF5 closed the file cleanly.
     sink = ErrorKeepingFile(partial)
     try:
@@ -337,12 +344,12 @@ def write_step(comm: Comm, what: str, step: str, limit: float, work: Callable[[]
     """Collective: run this rank's part of a step of a save (`work`, which lists the files it
     makes in `written`) under the I/O deadline `limit`; every rank agrees on it. If it failed
     anywhere, every rank removes its files of the save (not those a thread given up on, still
-    writing, owns: rawio.StalledIOError)."""
+    writing, owns: StalledIOError)."""
     stalled = False
 
     def wrap(exc: Exception) -> BaseException:
         nonlocal stalled
-        if isinstance(exc, rawio.StalledIOError):
+        if isinstance(exc, StalledIOError):
             stalled = True
             return exc
         if isinstance(exc, CheckpointError):
@@ -362,7 +369,7 @@ def create_directory(comm: Comm, directory: str, what: str, limit: float) -> Non
     """Collective: rank 0 creates `directory` (within `limit` seconds); every rank raises if
     that failed."""
     def wrap(exc: Exception) -> BaseException:
-        if isinstance(exc, rawio.StalledIOError):
+        if isinstance(exc, StalledIOError):
             return exc
         return CheckpointError(f"cannot create checkpoint directory {directory!r}: {exc}")
 
@@ -393,7 +400,7 @@ def commit_index(comm: Comm, directory: str, stem: str, what: str, limit: float,
     if comm.rank == 0 and error is None:
         try:
             rawio.within(limit, what, put)
-        except rawio.StalledIOError as exc:
+        except StalledIOError as exc:
             error, committed = exc, committed or None
         except Exception as exc:
             error = CheckpointError(f"cannot commit the index of {directory!r}: {exc}")
@@ -470,7 +477,7 @@ def remove_stale(directory: str, stem: str, index: CheckpointIndex,
                  keep_save: str | None = None) -> None:
     """Remove the files of this stem that the committed index does not name, but those of the
     save `keep_save` (the sharded part that the directory's committed state index still
-    names while a second save into it is under way: sharded_state.py). A state index that
+    names while a second save into it is under way: sharded/state.py). A state index that
     names a sharded part (`metadata.sharded`) supersedes the other sharded parts: theirs go."""
     keep = set(index.shards) | {p.file for p in index.per_rank}
     if keep_save is not None:
@@ -508,3 +515,101 @@ def _unlink_matching(directory: str, doomed: Callable[[str], bool]) -> None:
                     pass
     finally:
         os.close(dir_fd)
+
+
+_REMEMBERED = 1 << 20  # after a failure, writes up to this size are kept for HDF5 to read back
+
+
+class ErrorKeepingFile:
+    """Binary read/write file at `path` (created or truncated), positioned like io.RawIOBase.
+
+    Not thread-safe; one HDF5 file at a time, as h5py requires of file objects anyway."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.error: OSError | None = None
+        self._pos = 0
+        # Metadata written after a failure, kept so that HDF5 reading it back finds it and
+        # closes normally. Raw data is not kept: HDF5 does not read it while writing.
+        self._kept: dict[int, bytes] = {}
+
+    # -- the methods h5py's file-object driver calls --------------------------------------------
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_SET:
+            self._pos = offset
+        elif whence == os.SEEK_CUR:
+            self._pos += offset
+        else:
+            self._pos = os.fstat(self.fd).st_size + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        if self.error is None:
+            try:
+                done = 0
+                while done < size:  # pwrite may write less than asked
+                    done += os.pwrite(self.fd, view[done:], self._pos + done)
+            except OSError as exc:
+                self.error = exc
+        if self.error is not None and size <= _REMEMBERED:
+            self._kept[self._pos] = bytes(view)
+        self._pos += size
+        return size
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        kept = self._kept.get(self._pos)
+        if kept is not None and len(kept) >= len(view):
+            view[:] = kept[: len(view)]
+            count = len(view)
+        else:
+            try:
+                count = os.preadv(self.fd, [view], self._pos)
+            except OSError as exc:
+                self.error = self.error or exc
+                count = 0  # h5py fills what was not read with zeros
+        self._pos += count
+        return count
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0:
+            size = max(0, os.fstat(self.fd).st_size - self._pos)
+        buffer = bytearray(size)
+        return bytes(buffer[: self.readinto(buffer)])
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self._pos if size is None else size
+        if self.error is None:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError as exc:
+                self.error = exc
+        return size
+
+    def flush(self) -> None:
+        pass  # nothing is buffered: every write went to the kernel
+
+    # -- for the checkpoint writer ---------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the first I/O error HDF5's writes met (call once HDF5 closed the file)."""
+        if self.error is not None:
+            raise OSError(self.error.errno, self.error.strerror, self.path)
+
+    def finish(self) -> None:
+        """After HDF5 closed the file: raise the kept error, else fsync. Closes the descriptor."""
+        try:
+            self.check()
+            os.fsync(self.fd)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
