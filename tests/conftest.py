@@ -18,7 +18,8 @@ _XDIST_VARIABLES = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_
 def pytest_configure(config):
     # The jobs a test starts (mpiexec, srun, sbatch) get the environment of a plain `pytest`
     # run, however many workers run the tests: the environment's size alone once decided
-    # whether MPI_Init hit the MPICH/Slurm pmi2 bug (docs/slurm.md, tests/test_slurm.py).
+    # whether MPI_Init hit the MPICH/Slurm pmi2 bug (docs/slurm.md,
+    # tests/environments/test_slurm.py).
     for name in _XDIST_VARIABLES:
         os.environ.pop(name, None)
 

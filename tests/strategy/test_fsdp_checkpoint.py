@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
 from torch.utils.data import DataLoader
 
 from mpaccel import Accelerator
 from mpaccel.checkpoint import CheckpointCollectiveError, load_model_state
 from mpaccel.testing import reset_state
 from mpaccel.utils import ProjectConfiguration
+from tests.strategy.test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
 
 pytestmark = [pytest.mark.mpi_timeout(300), pytest.mark.usefixtures("no_group_left_behind")]
 
@@ -184,8 +184,8 @@ def test_save_model_writes_full_tensors_and_rotation_sees_fsdp_checkpoints(comm,
 SCRIPT = textwrap.dedent('''
     import os, signal, sys
     import numpy as np, torch
-    sys.path.insert(0, TESTS_DIR)
-    import test_fsdp_checkpoint as t
+    sys.path.insert(0, ROOT_DIR)
+    import tests.strategy.test_fsdp_checkpoint as t
     from mpaccel.checkpoint import sharded
     from mpaccel.utils import ProjectConfiguration
 
@@ -224,7 +224,7 @@ SCRIPT = textwrap.dedent('''
 
 def _script(tmp_path: Path) -> Path:
     script = tmp_path / "job.py"
-    script.write_text(SCRIPT.replace("TESTS_DIR", repr(str(Path(__file__).parent))))
+    script.write_text(SCRIPT.replace("ROOT_DIR", repr(str(Path(__file__).parents[2]))))
     return script
 
 

@@ -1,7 +1,7 @@
 """mpaccel.comm.presence seen from MPIComm's wait loop: a wait answers the presence handshake
 (of saves made by one rank alone) only once it has lasted `presence.answer_after`, so the short
 waits of the common path pay nothing for it. Under mpiexec -n 2 / -n 4 (a world of one has no
-wait loop); the saves themselves are tested in tests/test_checkpoint_compat.py."""
+wait loop); the saves themselves are tested in tests/checkpoint/test_compat.py."""
 
 from __future__ import annotations
 

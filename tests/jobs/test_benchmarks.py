@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_checkpoint_benchmark_runs(tmp_path):

@@ -11,11 +11,11 @@ import pathlib
 import re
 
 import pytest
-from accelerate_shim import ACCELERATE_VERSION, installed_accelerate
-from accelerate_shim.calls import CALLS, SPLIT_TENSOR_REASON
 
 from mpaccel import _env
 from mpaccel.testing import run_mpi
+from tests.jobs.accelerate_shim import ACCELERATE_VERSION, installed_accelerate
+from tests.jobs.accelerate_shim.calls import CALLS, SPLIT_TENSOR_REASON
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]  # each test starts its own mpiexec
 RUN = pathlib.Path(__file__).resolve().parent / "accelerate_shim" / "run.py"

@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from test_checkpoint_cli import DEADLINE, Commands
 
 from mpaccel import Accelerator
 from mpaccel.checkpoint import CheckpointError, load_model_state
 from mpaccel.checkpoint.format import INDEX_DIGEST, index_digest
 from mpaccel.testing import reset_state
+from tests.checkpoint.test_cli import DEADLINE, Commands
 
 SECRET = b"SECRET!!"  # what the file planted outside the checkpoint directory holds
 MEMORY_BOUND = 200 << 20  # bytes a refused load may add to a process's peak memory

@@ -13,7 +13,7 @@ from mpaccel import _env
 from mpaccel.testing import run_mpi
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.parametrize("n", [1, 4])
@@ -40,7 +40,7 @@ def test_train_example(n):
 
 def test_train_example_shows_a_live_bar_at_the_terminal_of_mpiexec(tmp_path):
     # mpiexec gives the ranks pipes; the bar is drawn for the terminal mpiexec writes to
-    from test_progress import _in_terminal, _launch
+    from tests.utils.test_progress import _in_terminal, _launch
 
     argv, env = _launch(2, EXAMPLES / "train.py")
     # --step-delay: on an idle machine the 32 steps after the first take less than tqdm's

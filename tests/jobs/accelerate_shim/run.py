@@ -1,7 +1,7 @@
 """Run one of Accelerate's test scripts against mpaccel, on every rank of an MPI job:
 
-    mpiexec -n 2 python tests/accelerate_shim/run.py test_ops.py           # its main()
-    mpiexec -n 2 python tests/accelerate_shim/run.py test_ops.py --each    # call by call
+    mpiexec -n 2 python tests/jobs/accelerate_shim/run.py test_ops.py           # its main()
+    mpiexec -n 2 python tests/jobs/accelerate_shim/run.py test_ops.py --each    # call by call
 
 The script is read from the installed Accelerate (`accelerate_shim.script_path`) and executed
 with `accelerate` resolved to mpaccel. main() mode ends with the line "main() reached its end"

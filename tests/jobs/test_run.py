@@ -25,8 +25,8 @@ from mpaccel.testing import run_mpi
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches, pytest.mark.mpi_timeout(600)]
 
-JOB = Path(__file__).parent / "jobs" / "hf_training.py"
-ROOT = Path(__file__).resolve().parent.parent
+JOB = Path(__file__).parent / "hf_training.py"
+ROOT = Path(__file__).resolve().parents[2]
 MISSING = [name for name in ("transformers", "trl", "datasets")
            if importlib.util.find_spec(name) is None]
 needs_hf = pytest.mark.skipif(

@@ -12,7 +12,6 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-from test_checkpoint_sharded import build, stepped
 
 from mpaccel import PartialState
 from mpaccel.checkpoint.format import INDEX_DIGEST
@@ -20,6 +19,7 @@ from mpaccel.checkpoint.index import CheckpointIndex, RowSlice, TensorEntry
 from mpaccel.checkpoint.reader import CheckpointReader
 from mpaccel.checkpoint.sharded import save_sharded
 from mpaccel.checkpoint.storage import write_checkpoint
+from tests.checkpoint.sharded.test_save_load import build, stepped
 
 pytestmark = pytest.mark.mpi_timeout(300)
 

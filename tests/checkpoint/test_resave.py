@@ -13,8 +13,8 @@ import pytest
 SCRIPT = textwrap.dedent('''
     import json, os, signal, sys
     import numpy as np, torch
-    sys.path.insert(0, TESTS_DIR)
-    from test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
+    sys.path.insert(0, ROOT_DIR)
+    from tests.strategy.test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
     from torch.utils.data import DataLoader
     from mpaccel import Accelerator
     from mpaccel.checkpoint import api, sharded, storage
@@ -109,7 +109,7 @@ def test_a_rank_killed_in_a_second_save_into_the_directory_leaves_the_first(
     from mpaccel.testing import run_mpi
 
     script = tmp_path / "job.py"
-    script.write_text(SCRIPT.replace("TESTS_DIR", repr(str(Path(__file__).parent))))
+    script.write_text(SCRIPT.replace("ROOT_DIR", repr(str(Path(__file__).parents[2]))))
     run = run_mpi([str(script), kind, where, "crash", str(tmp_path)], n=2, timeout=300)
     assert run.returncode != 0 and not run.timed_out, run.describe()
     assert "not killed" not in run.stdout[0] + run.stdout[1], run.describe()

@@ -176,7 +176,7 @@ def test_ranks_in_collectives_that_cannot_match_fail_in_seconds(tmp_path):
     # it while the others wait in the next wait_for_everyone. First a slow rank (3 s late,
     # longer than the probe, here 1 s instead of 5 s to spare the test 2 x 9 s of waiting) must
     # not be taken for a diverged one. (save_model there is Accelerate's idiom and works:
-    # tests/test_checkpoint_compat.py.)
+    # tests/checkpoint/test_compat.py.)
     script = _script(
         tmp_path,
         """

@@ -17,7 +17,7 @@ import pytest
 from mpaccel import _env
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.slow, pytest.mark.launches, pytest.mark.slurm]
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "slurm" / "cluster.sh"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}

@@ -341,7 +341,7 @@ def test_silent_singletons_stop_every_copy(tmp_path):
 
 
 def test_silent_singleton_from_srun_without_mpi(tmp_path):
-    # What each task of `srun -n 4 --mpi=none python -m pytest` sees (as in test_launch.py)
+    # What each task of `srun -n 4 --mpi=none python -m pytest` sees (as in jobs/test_launch.py)
     (tmp_path / "test_ab.py").write_text("def test_a():\n    pass\n")
     env = {
         "SLURM_JOB_ID": "12",

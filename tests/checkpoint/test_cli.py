@@ -116,7 +116,7 @@ def test_ls(saved):
 def test_verify_detects_a_flipped_byte(saved):
     root, _ = saved
     assert _cli("verify", str(root / "state")).returncode == 0
-    from test_checkpoint import _corrupt_one_byte
+    from tests.checkpoint.test_api import _corrupt_one_byte
 
     _corrupt_one_byte(str(root / "state"))
     run = _cli("verify", str(root / "state"))
@@ -190,7 +190,8 @@ def test_ls_and_export_of_tied_weights(tmp_path):
     both)."""
     pytest.importorskip("safetensors")
     from safetensors.torch import load_file
-    from test_checkpoint import _Tied
+
+    from tests.checkpoint.test_api import _Tied
 
     AcceleratorState._reset_state(True)
     acc = Accelerator()

@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
-from test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
-from test_fsdp_checkpoint import _full
 from torch.utils.data import DataLoader
 
 from mpaccel import Accelerator
 from mpaccel.testing import reset_state
+from tests.strategy.test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
+from tests.strategy.test_fsdp_checkpoint import _full
 
 pytestmark = [pytest.mark.mpi_timeout(300), pytest.mark.usefixtures("no_group_left_behind")]
 
@@ -94,9 +94,9 @@ def _reference_gradients() -> dict[str, torch.Tensor]:
 
 SCRIPT = """
 import sys
-sys.path.insert(0, TESTS_DIR)
+sys.path.insert(0, ROOT_DIR)
 import torch
-import test_fsdp_checkpoint_resume as t
+import tests.strategy.test_fsdp_checkpoint_resume as t
 
 mode, directory = sys.argv[1], sys.argv[2]
 acc, model, opt, loader = t._prepared(1 if mode == "save" else 7)
@@ -123,7 +123,7 @@ def test_gradients_saved_at_4_load_at_1_2_and_3(tmp_path):
     from mpaccel.testing import run_mpi
 
     script = tmp_path / "job.py"
-    script.write_text(SCRIPT.replace("TESTS_DIR", repr(str(Path(__file__).parent))))
+    script.write_text(SCRIPT.replace("ROOT_DIR", repr(str(Path(__file__).parents[2]))))
     directory = str(tmp_path / "ckpt")
     run = run_mpi([str(script), "save", directory], n=4, timeout=300).check()
     assert "saved 4" in run.stdout[0], run.describe()

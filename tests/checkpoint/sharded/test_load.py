@@ -16,12 +16,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
 from torch.utils.data import DataLoader
 
 from mpaccel import Accelerator
 from mpaccel.checkpoint import CheckpointCollectiveError, CheckpointError
 from mpaccel.testing import reset_state
+from tests.strategy.test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
 
 pytestmark = [pytest.mark.mpi_timeout(300), pytest.mark.usefixtures("no_group_left_behind")]
 

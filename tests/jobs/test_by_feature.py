@@ -17,7 +17,7 @@ from mpaccel import _env
 from mpaccel.testing import run_mpi
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]  # each test starts its own mpiexec
-BY_FEATURE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "by_feature"
+BY_FEATURE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "by_feature"
 TIMEOUT = 180
 
 

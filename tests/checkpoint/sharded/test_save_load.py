@@ -230,12 +230,12 @@ def test_async_save_writes_the_state_of_the_moment_it_was_called(group, mpi_tmp_
 SCRIPT = textwrap.dedent('''
     import json, os, signal, sys
     import numpy as np, torch, torch.distributed as dist
-    sys.path.insert(0, TESTS_DIR)
+    sys.path.insert(0, ROOT_DIR)
     from mpaccel import PartialState
     from mpaccel.checkpoint import sharded
     from mpaccel.checkpoint.sharded import save_sharded
     from mpaccel.checkpoint.sharded_read import load_sharded
-    import test_checkpoint_sharded as t
+    import tests.checkpoint.sharded.test_save_load as t
 
     mode, directory = sys.argv[1], sys.argv[2]
     comm = PartialState().comm
@@ -283,7 +283,7 @@ SCRIPT = textwrap.dedent('''
 def _script(tmp_path: Path) -> Path:
     """The job above, importing this module's helpers from the tests directory."""
     script = tmp_path / "job.py"
-    script.write_text(SCRIPT.replace("TESTS_DIR", repr(str(Path(__file__).parent))))
+    script.write_text(SCRIPT.replace("ROOT_DIR", repr(str(Path(__file__).parents[3]))))
     return script
 
 
@@ -396,7 +396,7 @@ def test_fsdp_checkpoint_benchmark_runs(tmp_path):
     # not a test of speed (nothing timed is asserted): the script must keep running
     from mpaccel.testing import run_mpi
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "fsdp_checkpoint.py"
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "fsdp_checkpoint.py"
     tiny = ["--param-mib", "0.05", "--layers", "2", "--rounds", "1", "--dir", str(tmp_path)]
     run = run_mpi([str(script), *tiny, "--keep"], n=2, timeout=240).check()
     assert "load: mpaccel / dcp speed" in run.stdout[0], run.describe()

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_sharded import build
 
 from mpaccel import PartialState
 from mpaccel.checkpoint import (
@@ -34,6 +33,7 @@ from mpaccel.checkpoint.format import INDEX_DIGEST, index_digest
 from mpaccel.checkpoint.naming import rotate
 from mpaccel.errors import MpaccelRuntimeWarning
 from mpaccel.utils import ProjectConfiguration
+from tests.checkpoint.sharded.test_save_load import build
 
 pytestmark = pytest.mark.mpi_timeout(300)
 
