@@ -1,6 +1,6 @@
 """mpaccel/accelerate_alias.py: `accelerate` and `accelerate.X` as mpaccel's modules, the
 `accelerate` distribution it reports, and the refusal of a module mpaccel lacks. In this
-process, with any real Accelerate set aside for the test (tests/test_run.py runs programs)."""
+process, with any real Accelerate set aside for the test (tests/jobs/test_run.py runs programs)."""
 
 from __future__ import annotations
 

@@ -371,7 +371,7 @@ def test_plugins_of_other_engines_are_refused_with_a_hint(comm):
             Accelerator(**{name: object()})
     with pytest.raises(ConfigurationError, match="HINT"):
         DeepSpeedPlugin()
-    # FSDP is driven (tests/test_fsdp.py): its plugins must be the real classes.
+    # FSDP is driven (tests/strategy/test_fsdp.py): its plugins must be the real classes.
     for name, cls in (("fsdp_plugin", FullyShardedDataParallelPlugin),
                       ("parallelism_config", ParallelismConfig)):
         reset_state()

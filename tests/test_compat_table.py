@@ -2,7 +2,7 @@
 installed Accelerate 1.15 and this mpaccel, and every missing name has a note. Needs
 `pip install accelerate==1.15.0` (the dev extra has it): skipped with the reason where it is
 missing, a failure under CI. The script runs in a subprocess of its own: it imports the real
-Accelerate, which must not meet tests/accelerate_shim's import hook."""
+Accelerate, which must not meet tests/jobs/accelerate_shim's import hook."""
 
 from __future__ import annotations
 

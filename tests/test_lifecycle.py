@@ -1,5 +1,6 @@
 """mpaccel.lifecycle: the exit order, end_job and abort_job, each in a process of its own (they
-end it). The whole-job behaviours (an uncaught exception under mpiexec) are in test_launch.py."""
+end it). The whole-job behaviours (an uncaught exception under mpiexec) are in
+jobs/test_launch.py."""
 
 from __future__ import annotations
 

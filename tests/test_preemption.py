@@ -1,6 +1,6 @@
 """Preemption handling without Slurm: the requeue id, `scontrol requeue` success and refusal
 (a stand-in scontrol on PATH), and signals turned into one collective decision. The round trip
-on a real Slurm is in test_slurm.py."""
+on a real Slurm is in environments/test_slurm.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ with the per-device batch (4 at two ranks is the global batch of 8 at one).
 Trainer: evaluate, train 10 steps (a checkpoint at step 5), save, predict, then resume from
 step 5 in a new Trainer; with `fsdp`, all of it under FSDP2 (and no SFT). SFTTrainer: 6 steps
 over pre-tokenized rows, with a word-level tokenizer built here. The main process writes
-OUT/result.json with every step's loss and gradient norm; tests/test_run.py compares them."""
+OUT/result.json with every step's loss and gradient norm; tests/jobs/test_run.py compares them."""
 
 import json
 import os
