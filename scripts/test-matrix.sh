@@ -25,6 +25,9 @@ SIZE1_WORKERS=${SIZE1_WORKERS:-2}
 UNDER_A_LAUNCHER="not launches"
 REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
+# What a test makes once and every stage can reuse (Accelerate-written checkpoints: 10-27 s
+# each time, tests/test_checkpoint_compat.py): one directory for the whole run.
+export MPACCEL_TEST_CACHE="$REPORTS/cache"
 status=0
 failed_stages=()
 
