@@ -1,89 +1,90 @@
 """mpaccel: Accelerate's process API for jobs launched by mpiexec, mpirun, srun or plain python.
 
 Importing mpaccel has no side effects: MPI is initialised, and torch.distributed set up, by the
-first `PartialState()` / `Accelerator()`.
+first `PartialState()` / `Accelerator()`. Nor does it import torch: each public name is
+imported from its module on first use, so what needs no tensors (the pytest plugin, for one)
+starts without torch's 1.5 s of CPU per process.
 """
 
+from __future__ import annotations
+
+import importlib
+import typing
+
 from ._version import __version__
-from .accelerator import Accelerator
-from .data.skip import skip_first_batches
-from .environments import ProcessInfo
-from .errors import (
-    CollectiveError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    ConfigurationError,
-    LaunchError,
-    MpaccelError,
-    MpaccelWarning,
-)
-from .state import AcceleratorState, GradientState, PartialState
-from .utils import (
-    DataLoaderConfiguration,
-    DistributedType,
-    GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    ProjectConfiguration,
-)
 
-# isort: split
-# Accelerate's other top-level names (its `accelerate/__init__.py`)
-from .utils import (
-    AutocastKwargs,
-    DDPCommunicationHookType,
-    DeepSpeedPlugin,
-    DistributedDataParallelKwargs,
-    FullyShardedDataParallelPlugin,
-    GradScalerKwargs,
-    ParallelismConfig,
-    ProfileKwargs,
-    find_executable_batch_size,
-    is_rich_available,
-    synchronize_rng_states,
-)
+if typing.TYPE_CHECKING:
+    from .accelerator import Accelerator
+    from .data.skip import skip_first_batches
+    from .environments import ProcessInfo
+    from .errors import (
+        CollectiveError,
+        CollectiveMismatchError,
+        CollectiveTimeoutError,
+        ConfigurationError,
+        LaunchError,
+        MpaccelError,
+        MpaccelWarning,
+    )
+    from .state import AcceleratorState, GradientState, PartialState
+    from .utils import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DDPCommunicationHookType,
+        DeepSpeedPlugin,
+        DistributedDataParallelKwargs,
+        DistributedType,
+        FullyShardedDataParallelPlugin,
+        GradientAccumulationPlugin,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ParallelismConfig,
+        ProfileKwargs,
+        ProjectConfiguration,
+        find_executable_batch_size,
+        is_rich_available,
+        synchronize_rng_states,
+    )
 
-__all__ = [
-    "Accelerator",
-    "AcceleratorState",
-    "CollectiveError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
-    "ConfigurationError",
-    "DataLoaderConfiguration",
-    "DistributedType",
-    "GradientAccumulationPlugin",
-    "GradientState",
-    "InitProcessGroupKwargs",
-    "LaunchError",
-    "MpaccelError",
-    "MpaccelWarning",
-    "PartialState",
-    "ProcessInfo",
-    "ProjectConfiguration",
-    "__version__",
-    "skip_first_batches",
-]
-__all__ += [
-    "AutocastKwargs",
-    "DDPCommunicationHookType",
-    "DeepSpeedPlugin",
-    "DistributedDataParallelKwargs",
-    "FullyShardedDataParallelPlugin",
-    "GradScalerKwargs",
-    "ParallelismConfig",
-    "ProfileKwargs",
-    "find_executable_batch_size",
-    "is_rich_available",
-    "synchronize_rng_states",
-]
+# Each public name and the module it lives in; the TYPE_CHECKING block above says the same to
+# type checkers (tests/test_init.py holds the two together).
+_WHERE = {
+    "Accelerator": ".accelerator",
+    "skip_first_batches": ".data.skip",
+    "ProcessInfo": ".environments",
+    **dict.fromkeys(
+        ["CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
+         "ConfigurationError", "LaunchError", "MpaccelError", "MpaccelWarning"], ".errors"),
+    **dict.fromkeys(["AcceleratorState", "GradientState", "PartialState"], ".state"),
+    **dict.fromkeys(
+        ["DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin",
+         "InitProcessGroupKwargs", "ProjectConfiguration",
+         # Accelerate's other top-level names (its `accelerate/__init__.py`)
+         "AutocastKwargs", "DDPCommunicationHookType", "DeepSpeedPlugin",
+         "DistributedDataParallelKwargs", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
+         "ParallelismConfig", "ProfileKwargs", "find_executable_batch_size",
+         "is_rich_available", "synchronize_rng_states"], ".utils"),
+}
 
-# Accelerate's names for features mpaccel lacks resolve on first use to refusals with a HINT
-# (mpaccel/_absent.py); not in __all__, and type checkers keep reporting them as absent.
-import typing as _typing  # noqa: E402
+__all__ = ["__version__", *_WHERE]
 
-from . import _absent  # noqa: E402
-
-if not _typing.TYPE_CHECKING:
+if not typing.TYPE_CHECKING:
 
     def __getattr__(name: str) -> object:
-        return _absent.resolve(__name__, name)
+        """A public name, from its module on first use; Accelerate's names for features
+        mpaccel lacks resolve to refusals with a HINT (mpaccel/_absent.py), not in __all__
+        (type checkers keep reporting them as absent)."""
+        if name.startswith("_"):  # a submodule not imported yet: the import system's turn
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        module = _WHERE.get(name)
+        if module is None:
+            from . import _absent
+
+            return _absent.resolve(__name__, name)
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})

@@ -25,6 +25,9 @@ SIZE1_WORKERS=${SIZE1_WORKERS:-2}
 UNDER_A_LAUNCHER="not launches"
 REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
+# What a test makes once and every stage can reuse (Accelerate-written checkpoints: 10-27 s
+# each time, tests/test_checkpoint_compat.py): one directory for the whole run.
+export MPACCEL_TEST_CACHE="$REPORTS/cache"
 status=0
 failed_stages=()
 
@@ -72,8 +75,12 @@ join_beside() {  # wait for the stages started by `beside`, print their output, 
 }
 
 mpich_stage() {  # N: the tests that run in the process pytest gave them, under mpiexec -n N
-  # -n 1: a real MPI world of one (not a singleton, which the size-1 pass is).
-  pytest_stage "mpich-n$1" "$MPIEXEC" -n "$1" -- -m "$UNDER_A_LAUNCHER" tests
+  # -n 1: a real MPI world of one (not a singleton, which the size-1 pass is). Only what
+  # depends on the MPI library or its launcher (the `openmpi` marker) can tell the two apart;
+  # every other test ran as a world of one in the size-1 pass already.
+  local only=""
+  [ "$1" = 1 ] && only="openmpi and "
+  pytest_stage "mpich-n$1" "$MPIEXEC" -n "$1" -- -m "$only$UNDER_A_LAUNCHER" tests
 }
 
 openmpi_stages() {
@@ -119,7 +126,8 @@ join_beside
 # timeout) far longer than they compute. The Slurm tests share one cluster: they run in a
 # process of their own, one at a time, beside the others (run by pytest-xdist workers).
 beside size-1-slurm beside_slurm
-pytest_stage size-1 -- -n "$SIZE1_WORKERS" -m "not slurm" tests
+# loadgroup: a module whose jobs are module fixtures (tests/test_run.py) stays on one worker.
+pytest_stage size-1 -- -n "$SIZE1_WORKERS" --dist loadgroup -m "not slurm" tests
 join_beside
 if [ "${OVERLAP:-1}" != 1 ]; then
   mpich_stage 1; mpich_stage 2

@@ -806,6 +806,12 @@ def _train_steps(acc, model, opt, dataset, steps_per_update):
             opt.zero_grad()
 
 
+# At most 2 ranks: each rank compiles its own copy (13-16 s of the -n 4 stage per test on 2
+# cores); how compiled models keep step across ranks shows at 2.
+COMPILES_PER_RANK = pytest.mark.mpi(max_size=2)
+
+
+@COMPILES_PER_RANK
 @pytest.mark.slow  # torch's compiler takes 3-8 s to import here
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_dynamo_backend_compiles_the_prepared_model(comm, accumulation):
@@ -873,6 +879,7 @@ class _Stack(torch.nn.Module):
         return self.head(x)
 
 
+@COMPILES_PER_RANK
 @pytest.mark.slow  # torch's compiler takes 3-8 s to import here
 def test_regional_compilation_compiles_each_block_and_trains_the_same(comm):
     """TorchDynamoPlugin(use_regional_compilation=True) was refused: prepare() now returns
@@ -916,6 +923,7 @@ def test_regional_compilation_compiles_each_block_and_trains_the_same(comm):
     assert list(acc.get_state_dict(model)) == list(inner.state_dict())  # no _orig_mod.
 
 
+@COMPILES_PER_RANK
 @pytest.mark.slow  # inductor compiles C++ (14 s the first time on this machine)
 def test_inductor_backend(comm):
     from mpaccel.training import is_compiled_module

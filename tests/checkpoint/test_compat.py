@@ -5,8 +5,12 @@ load_state on a directory Accelerate wrote. The bodies run at size 1 and under m
 from __future__ import annotations
 
 import copy
+import fcntl
+import hashlib
+import importlib.metadata
 import json
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -221,22 +225,44 @@ def _hf_loss(model, step):
 @pytest.fixture(scope="module")
 def accelerate_saves(comm, tmp_path_factory):
     """Checkpoints written by the real Accelerate's save_state (one process, in a process of
-    its own, started once by rank 0): `mlp`, `gpt2` (tied head), `bert` (tied decoder weight
+    its own, started by rank 0): `mlp`, `gpt2` (tied head), `bert` (tied decoder weight
     and bias), each after one training step, with `.expected` (its model's state_dict), `.opt`
     (its optimizer's) and `.losses` (the losses of the next two steps) beside it. In rank 0's
-    own directory: tests copy them into their shared one (_copied)."""
+    own directory: tests copy them into their shared one (_copied).
+
+    Written once per CI run, not once per pytest process: MPACCEL_TEST_CACHE (set by
+    scripts/test-matrix.sh for every stage) names a directory the stages and xdist workers
+    share, under a key of the script and the versions that wrote it; without it, once per
+    pytest run (the workers' common temporary directory)."""
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
-    cache = tmp_path_factory.mktemp("accelerate")
+    shared = os.environ.get("MPACCEL_TEST_CACHE") or tmp_path_factory.getbasetemp().parent
+    versions = [importlib.metadata.version(name) for name in ("accelerate", "transformers")]
+    key = hashlib.sha256("\0".join([_ACCELERATE_SAVES, torch.__version__, *versions])
+                         .encode()).hexdigest()[:16]
+    cache = pathlib.Path(shared) / f"accelerate-saves-{key}"
     # mpaccel's communicator: the others wait without spinning on the cores the save needs
     with agreement(PartialState().comm, "writing checkpoints with Accelerate"):
         if comm.Get_rank() == 0:
-            env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("PMI_", "MPI_", "OMPI_", "PMIX_", "HYDRA", "MPIR_"))}
-            run = subprocess.run([sys.executable, "-c", _ACCELERATE_SAVES, str(cache)], env=env,
-                                 capture_output=True, text=True, timeout=300)
-            assert run.returncode == 0, run.stderr[-3000:]
+            _write_once(cache)
     return cache
+
+
+def _write_once(cache: pathlib.Path) -> None:
+    """Accelerate's checkpoints into `cache`, unless a process sharing it wrote them already
+    (an exclusive lock beside it; the directory appears whole, by a rename)."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{cache}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if cache.is_dir():
+            return
+        partial = pathlib.Path(tempfile.mkdtemp(dir=cache.parent, prefix=f"{cache.name}."))
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PMI_", "MPI_", "OMPI_", "PMIX_", "HYDRA", "MPIR_"))}
+        run = subprocess.run([sys.executable, "-c", _ACCELERATE_SAVES, str(partial)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        partial.rename(cache)
 
 
 def _copied(accelerate_saves, name, mpi_tmp_path, comm, change=None, ranks=True):

@@ -162,6 +162,7 @@ def _objects(seed: int):
     return TrainingState(models={"model_0": torch.nn.Linear(4, 3)})
 
 
+@pytest.mark.mpi(max_size=2)  # a memory bound per rank: 4 ranks on 2 cores add 14 s, no fact
 def test_an_index_padded_with_empty_dicts_costs_at_most_10x_its_size(mpi_tmp_path, capsys):
     """Issue 27, item 6: an index padded to tens of MB with `{}` items under `metadata` (an
     unknown field, allowed) cost 26-28x its size in `mpaccel ckpt ls` and `load_state`. Now

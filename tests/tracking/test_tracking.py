@@ -258,6 +258,9 @@ CASES = {  # name: (package, setup, live, read, runs)
 }
 
 
+# At most 2 ranks: the library logs on the main process alone, and what N ranks add is each
+# rank importing it (wandb: 33 s of the -n 4 stage on 2 cores); 2 ranks show the others quiet.
+@pytest.mark.mpi(max_size=2)
 @pytest.mark.parametrize("name", list(CASES))
 def test_tracker_records_hparams_and_metrics_through_its_library(
     name, comm, mpi_tmp_path, monkeypatch
@@ -482,6 +485,7 @@ def test_get_tracker_without_running_trackers_is_blank_everywhere(comm):
 # -- the variables Accelerate's trackers read (mpaccel._env's tracker rows) -------------------
 
 
+@pytest.mark.mpi(max_size=2)  # as the test above: mlflow logs on the main process alone
 def test_mlflow_variables_take_precedence_over_the_arguments(comm, mpi_tmp_path, monkeypatch):
     """MLFLOW_EXPERIMENT_NAME, MLFLOW_TAGS and MLFLOW_NESTED_RUN over init_kwargs, as in
     Accelerate: the run lands in the variable's experiment, with its tags, nested in the run
