@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from test_fsdp import Tiny
+from tests.strategy.test_fsdp import Tiny
 
 import mpaccel.accelerator
 from mpaccel import Accelerator, PartialState
