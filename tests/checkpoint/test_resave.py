@@ -17,7 +17,8 @@ SCRIPT = textwrap.dedent('''
     from tests.strategy.test_fsdp import GLOBAL_BATCH, Tiny, _data, _plugin
     from torch.utils.data import DataLoader
     from mpaccel import Accelerator
-    from mpaccel.checkpoint import api, sharded, storage
+    from mpaccel.checkpoint import api, writer
+    from mpaccel.checkpoint.sharded import save as sharded
     from mpaccel.testing import reset_state
 
     kind, where, mode, directory = sys.argv[1:5]
@@ -60,7 +61,7 @@ SCRIPT = textwrap.dedent('''
             np.savez(reference, **{k: v.numpy() for k, v in saved.items()})
         steps(acc, model, opt, loader, 1)
         if where == "rows" and acc.process_index == 1:  # its file written, nothing committed
-            module = sharded if kind == "fsdp" else storage
+            module = sharded if kind == "fsdp" else writer
             name = "_write_rank_file" if kind == "fsdp" else "write_h5"
             original = getattr(module, name)
             setattr(module, name, lambda *a: (original(*a), kill()))

@@ -186,7 +186,7 @@ SCRIPT = textwrap.dedent('''
     import numpy as np, torch
     sys.path.insert(0, ROOT_DIR)
     import tests.strategy.test_fsdp_checkpoint as t
-    from mpaccel.checkpoint import sharded
+    from mpaccel.checkpoint.sharded import save as sharded
     from mpaccel.utils import ProjectConfiguration
 
     mode, directory = sys.argv[1], sys.argv[2]

@@ -232,7 +232,7 @@ SCRIPT = textwrap.dedent('''
     import numpy as np, torch, torch.distributed as dist
     sys.path.insert(0, ROOT_DIR)
     from mpaccel import PartialState
-    from mpaccel.checkpoint import sharded
+    from mpaccel.checkpoint.sharded import save as sharded
     from mpaccel.checkpoint.sharded.save import save_sharded
     from mpaccel.checkpoint.sharded.load import load_sharded
     import tests.checkpoint.sharded.test_save_load as t
