@@ -1,4 +1,5 @@
-"""Every test starts, and leaves, with no mpaccel shared state (discovery is kept).
+"""Every test starts, and leaves, with no mpaccel shared state (discovery is kept); the helpers
+tests share: `accelerator(**kwargs)` and `params(model)` (`from tests.conftest import ...`).
 
 Markers (pyproject.toml) decide which CI stage runs a test: docs/testing.md, "Which stage runs
 what"."""
@@ -8,7 +9,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+from mpaccel import Accelerator
 from mpaccel.testing import reset_state
 
 # What pytest-xdist adds to a worker's environment (its id, the number of workers, the run's id).
@@ -24,10 +27,22 @@ def pytest_configure(config):
         os.environ.pop(name, None)
 
 
+def accelerator(**kwargs) -> Accelerator:
+    """`Accelerator(**kwargs)` on fresh shared state: a test that builds a second one (another
+    set-up, a "restarted" job) starts it as a new job would, not from the first one's state.
+    (mpaccel's pytest plugin has an `accelerator` fixture too: one `Accelerator()` per test.)"""
+    reset_state()
+    return Accelerator(**kwargs)
+
+
+def params(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter of `model`, detached and flattened into one tensor: two models trained
+    alike compare with one torch.equal / assert_close."""
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
 def _why_no_cuda() -> str | None:
     """Why the `cuda` tests cannot run in this process (None where they can)."""
-    import torch
-
     if torch.cuda.is_available():
         return None
     if torch.version.cuda is None:

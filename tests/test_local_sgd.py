@@ -12,10 +12,7 @@ from mpaccel.errors import ConfigurationError
 from mpaccel.local_sgd import LocalSGD
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedType
-
-
-def _params(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+from tests.conftest import params
 
 
 def _setup(lr=0.1):
@@ -38,18 +35,18 @@ def test_parameters_drift_between_averages_and_agree_after(comm):
     with LocalSGD(acc, model, local_sgd_steps=steps) as local_sgd:
         assert local_sgd.enabled == (comm.size > 1)
         for x, y in loader:
-            before = _params(model)
+            before = params(model)
             with acc.accumulate(model):
                 acc.backward(torch.nn.functional.mse_loss(model(x), y))
                 opt.step()
                 opt.zero_grad()
             local_sgd.step()
-            mine = _params(model)
+            mine = params(model)
             assert not torch.equal(mine, before)
             agreed.append(all(torch.equal(mine, other) for other in comm.allgather(mine)))
             if len(agreed) == 2 * steps + 1:
                 break
-    final = _params(model)
+    final = params(model)
     assert all(torch.equal(final, other) for other in comm.allgather(final))  # on leaving
     if comm.size == 1:
         assert all(agreed) and local_sgd.num_steps == 2 * steps + 1

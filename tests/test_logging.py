@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from mpaccel import Accelerator
 from mpaccel.logging import get_logger
-from mpaccel.testing import reset_state
-
-
-def _fresh() -> Accelerator:
-    reset_state()
-    return Accelerator(cpu=True)
+from tests.conftest import accelerator
 
 
 def test_messages_carry_the_rank_as_in_accelerate(comm, caplog):
-    _fresh()
+    accelerator(cpu=True)
     logger = get_logger("mpaccel.test", log_level="INFO")
     with caplog.at_level(logging.INFO, logger="mpaccel.test"):
         logger.info("main only")
@@ -31,7 +25,7 @@ def test_messages_carry_the_rank_as_in_accelerate(comm, caplog):
 
 
 def test_logger_warning_once_and_the_level_from_the_environment(comm, caplog, monkeypatch):
-    _fresh()
+    accelerator(cpu=True)
     root_level = logging.getLogger().level
     try:
         monkeypatch.setenv("ACCELERATE_LOG_LEVEL", "debug")

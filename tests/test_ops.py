@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from mpaccel import Accelerator, ops
+from mpaccel import ops
 from mpaccel.errors import CollectiveMismatchError, ConfigurationError
-from mpaccel.testing import reset_state
 from mpaccel.utils import broadcast_object_list, gather
-
-
-def _fresh() -> Accelerator:
-    reset_state()
-    return Accelerator()
+from tests.conftest import accelerator
 
 
 def _last_differs(comm, usual, last):
@@ -61,7 +56,7 @@ def test_structures_that_differ_across_ranks_are_one_error_naming_ranks_and_diff
     # dict keys 'a' vs 'b': each rank got its own keys back with the other ranks' tensors
     if call == "gather_for_metrics" and not (ops.only_tensors(usual) and ops.only_tensors(last)):
         pytest.skip("not all tensors: gather_for_metrics gathers objects (no structure to match)")
-    acc = _fresh()
+    acc = accelerator()
     mine = _last_differs(comm, usual, last)
     calls = {
         "gather": (lambda: acc.gather(mine), "gather"),
@@ -80,7 +75,7 @@ def test_structures_that_differ_across_ranks_are_one_error_naming_ranks_and_diff
 
 
 def test_same_structures_still_gather(comm):
-    acc = _fresh()
+    acc = accelerator()
     r = acc.process_index
     batch = collections.OrderedDict(
         x=torch.full((2,), float(r)), rest=[torch.tensor([r]), {"n": torch.ones(1, 2)}], tag="t"
@@ -94,7 +89,7 @@ def test_same_structures_still_gather(comm):
 @pytest.mark.mpi(min_size=2)
 def test_broadcast_object_list_from_different_sources_is_one_error_naming_the_ranks(comm):
     # Each rank named itself: every rank got its own list back, silently.
-    _fresh()
+    accelerator()
     objects = [f"from {comm.rank}"]
     with pytest.raises(CollectiveMismatchError) as info:
         broadcast_object_list(objects, from_process=comm.rank)
@@ -107,7 +102,7 @@ def test_broadcast_object_list_from_different_sources_is_one_error_naming_the_ra
 
 
 def test_broadcast_object_list_puts_the_source_list_in_place(comm):
-    _fresh()
+    accelerator()
     last = comm.size - 1
     objects: list = [{"rank": comm.rank}, np.arange(comm.rank + 1)]
     same = broadcast_object_list(objects, from_process=np.int64(last))
@@ -121,7 +116,7 @@ def test_broadcast_object_list_puts_the_source_list_in_place(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_a_source_out_of_range_on_one_rank_does_not_leave_the_others_waiting(comm):
-    acc = _fresh()
+    acc = accelerator()
     source = _last_differs(comm, 0, comm.size)  # the last rank names no rank at all
     for call in (lambda: broadcast_object_list(["x"], source),
                  lambda: ops.broadcast(acc._partial.comm, torch.ones(2), source)):
@@ -134,7 +129,7 @@ def test_copy_tensor_to_devices_sends_the_one_rank_s_tensor_everywhere(comm):
     # Accelerate's test_ops imports it; only the last rank knows the shape and dtype.
     from mpaccel.utils import copy_tensor_to_devices
 
-    _fresh()
+    accelerator()
     last = comm.size - 1
     mine = torch.arange(6, dtype=torch.int32).reshape(2, 3) if comm.rank == last else None
     copied = copy_tensor_to_devices(mine)
@@ -146,7 +141,7 @@ def test_copy_tensor_to_devices_needs_exactly_one_holder(comm):
     from mpaccel.errors import DistributedOperationException
     from mpaccel.utils import copy_tensor_to_devices
 
-    _fresh()
+    accelerator()
     with pytest.raises(DistributedOperationException) as info:
         copy_tensor_to_devices(None)
     assert "needs the tensor on exactly one rank; no rank passed one" in str(info.value)
@@ -160,7 +155,7 @@ def test_copy_tensor_to_devices_needs_exactly_one_holder(comm):
 def test_pad_across_processes_leaves_a_nested_tensor_with_a_warning(comm):
     """A nested tensor has no one size to pad to: returned as it is, with Accelerate's
     warning, while the other tensors are padded as usual."""
-    acc = _fresh()
+    acc = accelerator()
     nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     with pytest.warns(ops.CannotPadNestedTensorWarning):
         out = acc.pad_across_processes({"n": nested, "t": torch.ones(comm.rank + 1)})

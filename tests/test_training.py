@@ -22,16 +22,12 @@ from mpaccel.utils import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
 )
+from tests.conftest import accelerator, params
 
 # Also run under Open MPI's mpiexec (docs/testing.md, "Which stage runs what").
 pytestmark = pytest.mark.openmpi
 
 GLOBAL_BATCH = 16
-
-
-def _fresh(**kwargs) -> Accelerator:
-    reset_state()
-    return Accelerator(**kwargs)
 
 
 def _data(n=64, seed=0):
@@ -60,13 +56,9 @@ def _reference(dataset, steps_per_update, epochs, lr=0.05, clip=None):
     return model
 
 
-def _params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_data_parallel_matches_single_process(comm, accumulation):
-    acc = _fresh(gradient_accumulation_steps=accumulation)
+    acc = accelerator(gradient_accumulation_steps=accumulation)
     n = acc.num_processes
     dataset = _data()
     # Different initialisation on each rank: prepare() must make rank 0's parameters win.
@@ -86,15 +78,15 @@ def test_data_parallel_matches_single_process(comm, accumulation):
                 steps += acc.sync_gradients
     assert steps == 3 * len(dataset) // (GLOBAL_BATCH * accumulation)
     assert torch.isfinite(norm)
-    mine = _params(acc.unwrap_model(model))
-    expected = _params(_reference(dataset, accumulation, epochs=3, clip=10.0))
+    mine = params(acc.unwrap_model(model))
+    expected = params(_reference(dataset, accumulation, epochs=3, clip=10.0))
     assert torch.allclose(mine, expected, atol=1e-5), (mine - expected).abs().max()
     everyone = comm.allgather(mine)
     assert all(torch.equal(everyone[0], other) for other in everyone)
 
 
 def test_accumulation_skips_optimizer_and_adjusts_scheduler(comm):
-    acc = _fresh(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4))
+    acc = accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4))
     n = acc.num_processes
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -119,7 +111,7 @@ def test_accumulation_skips_optimizer_and_adjusts_scheduler(comm):
 
 def test_sync_each_batch_and_no_sync(comm):
     plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)
-    acc = _fresh(gradient_accumulation_plugin=plugin)
+    acc = accelerator(gradient_accumulation_plugin=plugin)
     assert acc.gradient_state.sync_each_batch
     model = acc.prepare(_model())
     x = torch.randn(4, 8) * (acc.process_index + 1)
@@ -154,7 +146,7 @@ def _grads(model):
 def test_sync_each_batch_decides_which_micro_batches_all_reduce(comm, sync_each_batch):
     steps = 4
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_each_batch=sync_each_batch)
-    acc = _fresh(gradient_accumulation_plugin=plugin)
+    acc = accelerator(gradient_accumulation_plugin=plugin)
     n = acc.num_processes
     dataset = _data(n=GLOBAL_BATCH * steps * 2)  # two optimizer steps per epoch
     model = _model()
@@ -188,8 +180,8 @@ def test_sync_each_batch_decides_which_micro_batches_all_reduce(comm, sync_each_
     else:  # one process: no DDP, nothing to reduce
         assert not any(requested) and reduces == []
     # either way, the same training as one process on the concatenated batches
-    mine = _params(acc.unwrap_model(model))
-    expected_params = _params(_reference(dataset, steps, epochs=2))
+    mine = params(acc.unwrap_model(model))
+    expected_params = params(_reference(dataset, steps, epochs=2))
     assert torch.allclose(mine, expected_params, atol=1e-5), (mine - expected_params).abs().max()
 
 
@@ -217,7 +209,7 @@ def test_prepared_scheduler_steps_with_the_optimizer(comm, options):
     split = options.get("split_batches", False)
     with_optimizer = options.get("step_scheduler_with_optimizer", True)
     plugin = GradientAccumulationPlugin(num_steps=steps, adjust_scheduler=adjust)
-    acc = _fresh(
+    acc = accelerator(
         gradient_accumulation_plugin=plugin,
         split_batches=split,
         step_scheduler_with_optimizer=with_optimizer,
@@ -264,7 +256,7 @@ def _dataloader_run(acc, dataset, batch_size, **kwargs):
 
 @pytest.mark.parametrize("even_batches", [True, False])
 def test_uneven_dataset_and_gather_for_metrics(comm, even_batches):
-    acc = _fresh(even_batches=even_batches)
+    acc = accelerator(even_batches=even_batches)
     n = acc.num_processes
     dataset = TensorDataset(torch.arange(23).float())
     loader, seen, flags = _dataloader_run(acc, dataset, batch_size=3)
@@ -289,7 +281,7 @@ def test_uneven_dataset_and_gather_for_metrics(comm, even_batches):
 def test_drop_last_has_no_remainder(comm):
     # As in Accelerate: with drop_last nothing is repeated, remainder is -1 and gather_for_metrics
     # keeps every gathered sample of the last batch.
-    acc = _fresh()
+    acc = accelerator()
     n = acc.num_processes
     loader, seen, _ = _dataloader_run(acc, TensorDataset(torch.arange(23)), 3, drop_last=True)
     assert loader.remainder == -1
@@ -301,7 +293,7 @@ def test_drop_last_has_no_remainder(comm):
 
 
 def test_split_batches(comm):
-    acc = _fresh(split_batches=True)
+    acc = accelerator(split_batches=True)
     n = acc.num_processes
     _, seen, _ = _dataloader_run(acc, TensorDataset(torch.arange(32)), batch_size=8)
     assert all(batch.shape[0] == 8 // n for batch in seen)
@@ -319,7 +311,7 @@ def test_split_batches(comm):
 
 def test_shuffle_same_on_every_rank_and_new_each_epoch(comm):
     torch.manual_seed(1234 + comm.rank)  # rank-dependent torch seed: the data order must not be
-    acc = _fresh()
+    acc = accelerator()
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(40)), batch_size=2, shuffle=True))
     epochs = []
     for epoch in range(2):
@@ -339,7 +331,7 @@ def test_other_random_samplers_draw_the_same_on_every_rank(comm, kind):
     from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
 
     torch.manual_seed(99 + comm.rank)  # each rank's own RNG differs: it must not matter
-    acc = _fresh()
+    acc = accelerator()
     dataset = TensorDataset(torch.arange(40))
     if kind == "subset":
         sampler = SubsetRandomSampler(list(range(0, 40, 2)))  # 20 even indices
@@ -364,7 +356,7 @@ def test_other_random_samplers_draw_the_same_on_every_rank(comm, kind):
 
 
 def test_ops(comm):
-    acc = _fresh()
+    acc = accelerator()
     n, r = acc.num_processes, acc.process_index
     t = torch.full((2, 3), float(r))
     g = acc.gather({"a": t, "b": [torch.tensor(r)]})
@@ -400,7 +392,7 @@ def test_gather_for_metrics_drops_the_repeated_samples_of_objects(comm, kind):
     # 10 samples, batch 3: the last round holds 10 % (3n) real samples, the rest are repeats.
     # "objects": a tensor gathered as objects (a flat list of rows); "mixed": per sample, a
     # prediction with its string id (tensors and strings: the whole input goes as objects).
-    acc = _fresh()
+    acc = accelerator()
     n = acc.num_processes
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=3))
     out = []
@@ -416,7 +408,7 @@ def test_gather_for_metrics_drops_the_repeated_samples_of_objects(comm, kind):
 
 @pytest.mark.mpi(min_size=2)
 def test_shape_mismatch_is_a_clear_error_everywhere(comm):
-    acc = _fresh()
+    acc = accelerator()
     t = torch.zeros(2, 3 + acc.process_index)
     with pytest.raises(ConfigurationError, match="only the first dimension may differ"):
         acc.gather(t)
@@ -445,7 +437,7 @@ def test_different_operations_on_different_ranks_are_one_clear_error(
     """Operations that meet in the same MPI exchange (the shape check) but would then go on to
     different data-plane collectives (a hang, or wrong data): every rank raises the same error
     at once, naming who called what."""
-    acc = _fresh()
+    acc = accelerator()
     t = torch.ones(3)
     calls = {
         "gather": lambda: acc.gather(t),
@@ -468,7 +460,7 @@ def test_different_operations_on_different_ranks_are_one_clear_error(
 
 
 def test_pad_across_processes_checks_dimensions_on_every_rank(comm):
-    acc = _fresh()
+    acc = accelerator()
     rank = acc.process_index
     # other dimensions may differ: each rank pads only `dim`
     padded = acc.pad_across_processes(torch.ones(rank + 1, 2 + rank), dim=0)
@@ -483,7 +475,7 @@ def test_pad_across_processes_checks_dimensions_on_every_rank(comm):
 def test_pad_across_processes_leaves_tensors_without_that_dimension_alone(comm):
     """Generation outputs: tokens [B, L] padded along dim=1, labels [B] have no dim 1 and stay
     as they are (they were padded along dim 0 instead: a fake label after gathering)."""
-    acc = _fresh()
+    acc = accelerator()
     rank = acc.process_index
     rows = 2 if rank == 0 else 1  # uneven shares (even_batches=False, split_between_processes)
     batch = {
@@ -499,7 +491,7 @@ def test_pad_across_processes_leaves_tensors_without_that_dimension_alone(comm):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision(comm, precision):
-    acc = _fresh(mixed_precision=precision)
+    acc = accelerator(mixed_precision=precision)
     assert acc.mixed_precision == precision
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -514,11 +506,11 @@ def test_mixed_precision(comm, precision):
     acc.backward(loss)
     norm = acc.clip_grad_norm_(model.parameters(), 1.0)
     assert torch.isfinite(norm)
-    before = _params(acc.unwrap_model(model)).clone()
+    before = params(acc.unwrap_model(model)).clone()
     opt.step()
     assert (acc.scaler is not None) == (precision == "fp16")
     if not acc.optimizer_step_was_skipped:
-        assert not torch.equal(before, _params(acc.unwrap_model(model)))
+        assert not torch.equal(before, params(acc.unwrap_model(model)))
     bare = acc.unwrap_model(model, keep_fp32_wrapper=False)
     assert not hasattr(bare, "_mpaccel_original_forward")
 
@@ -545,7 +537,7 @@ def test_mixed_precision_outputs_of_any_structure_come_back_in_float32(comm):
     """The prepared forward's outputs went through a float32 conversion of its own, which left
     named tuples alone (bfloat16 logits); it is now convert_to_fp32, Accelerate's, which
     rebuilds named tuples, mappings, lists and tuples at any depth."""
-    acc = _fresh(mixed_precision="bf16")
+    acc = accelerator(mixed_precision="bf16")
     out = acc.prepare(_Pair())(torch.randn(4, 8))
     assert type(out) is _Outputs
     assert out.logits.dtype == torch.float32
@@ -571,7 +563,7 @@ def test_ddp_kwargs_reach_ddp_and_allow_unused_parameters(comm):
     assert handler.to_kwargs() == {
         "find_unused_parameters": True, "bucket_cap_mb": 1, "gradient_as_bucket_view": True,
     }
-    acc = _fresh(kwargs_handlers=[handler])
+    acc = accelerator(kwargs_handlers=[handler])
     model = _Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = acc.prepare(model, opt)
@@ -583,14 +575,14 @@ def test_ddp_kwargs_reach_ddp_and_allow_unused_parameters(comm):
         acc.backward(loss.sum())
         opt.step()
         opt.zero_grad()
-    everyone = acc.gather(_params(acc.unwrap_model(model))[None])
+    everyone = acc.gather(params(acc.unwrap_model(model))[None])
     assert all(torch.equal(everyone[0], other) for other in everyone)
 
 
 def test_grad_scaler_kwargs(comm):
-    acc = _fresh(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    acc = accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
     assert acc.scaler.get_scale() == 1024.0
-    assert _fresh(mixed_precision="no", kwargs_handlers=[GradScalerKwargs()]).scaler is None
+    assert accelerator(mixed_precision="no", kwargs_handlers=[GradScalerKwargs()]).scaler is None
 
 
 def test_kwargs_handlers_are_checked():
@@ -599,9 +591,9 @@ def test_kwargs_handlers_are_checked():
     with pytest.raises(ConfigurationError, match="bucket_cap_mb"):
         DistributedDataParallelKwargs(bucket_cap_mb=0)
     with pytest.raises(ConfigurationError, match="more than one"):
-        _fresh(kwargs_handlers=[GradScalerKwargs(), GradScalerKwargs()])
+        accelerator(kwargs_handlers=[GradScalerKwargs(), GradScalerKwargs()])
     with pytest.raises(ConfigurationError, match="mpaccel understands"):
-        _fresh(kwargs_handlers=[GradientAccumulationPlugin()])
+        accelerator(kwargs_handlers=[GradientAccumulationPlugin()])
 
 
 def test_fp16_clipping_sees_unscaled_gradients(comm):
@@ -609,7 +601,7 @@ def test_fp16_clipping_sees_unscaled_gradients(comm):
     reference = _model()
     reference(x).pow(2).mean().backward()
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
-    acc = _fresh(mixed_precision="fp16")
+    acc = accelerator(mixed_precision="fp16")
     assert acc.scaler.get_scale() > 1000  # the loss is scaled up before backward
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -626,7 +618,7 @@ def test_fp16_clipping_while_accumulating_is_refused(comm):
     # Unscaling on a micro-batch that accumulates would let the next backward add scaled
     # gradients to unscaled ones (Accelerate: torch raises only at the next unscale, after
     # the damage). Refused at once; clipping when sync_gradients is set works.
-    acc = _fresh(mixed_precision="fp16", gradient_accumulation_steps=2)
+    acc = accelerator(mixed_precision="fp16", gradient_accumulation_steps=2)
     model = _model()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(5))
@@ -645,7 +637,7 @@ def test_fp16_clipping_while_accumulating_is_refused(comm):
 
 
 def test_clip_grad_value_and_save(comm, mpi_tmp_path):
-    acc = _fresh()
+    acc = accelerator()
     model = acc.prepare(_model())
     (model(torch.randn(4, 8)) * 1000).sum().backward()
     acc.clip_grad_value_(model.parameters(), 0.01)
@@ -685,7 +677,7 @@ def test_fp16_clipping_with_two_optimizers_unscales_each_step(comm):
     """GAN-style: two models, two optimizers, one GradScaler. Each clip must see unscaled
     gradients: one optimizer's step updates the shared scaler, which makes the other's next
     gradients scaled again (the second one's norm came out x the loss scale)."""
-    acc = _fresh(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    acc = accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
     torch.manual_seed(0)
     first, second = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
     opt_a = torch.optim.SGD(first.parameters(), lr=0.01)
@@ -708,7 +700,7 @@ def test_schedulers_under_gradient_accumulation(comm, kind):
     """OneCycleLR sized for the optimizer steps runs its whole cycle under accumulation (it
     stopped a quarter of the way), and ReduceLROnPlateau steps under accumulation (it raised
     AttributeError: no _step_count)."""
-    acc = _fresh(gradient_accumulation_steps=4)
+    acc = accelerator(gradient_accumulation_steps=4)
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(list(torch.ones(32 * comm.size, 2)), batch_size=1)
@@ -746,7 +738,7 @@ def test_schedulers_under_gradient_accumulation(comm, kind):
 
 
 def test_preparing_twice_returns_what_was_prepared(comm):
-    acc = _fresh()
+    acc = accelerator()
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
@@ -764,7 +756,7 @@ def test_preparing_twice_returns_what_was_prepared(comm):
 def test_a_model_prepared_before_free_memory_comes_back_as_it_is(comm):
     """transformers' Trainer prepares in evaluate(), calls free_memory(), then prepares the
     prepared model again in train(): it must come back as it is (no DDP inside a DDP)."""
-    acc = _fresh()
+    acc = accelerator()
     torch.manual_seed(0)
     prepared = acc.prepare(torch.nn.Linear(2, 2))
     acc.free_memory()
@@ -779,7 +771,7 @@ def test_a_model_prepared_before_free_memory_comes_back_as_it_is(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_trigger_sync_in_backward_all_reduces_inside_no_sync(comm):
-    acc = _fresh()
+    acc = accelerator()
     torch.manual_seed(0)
     model = acc.prepare(torch.nn.Linear(2, 1))
     x = torch.full((1, 2), float(acc.process_index + 1))
@@ -822,7 +814,7 @@ def test_dynamo_backend_compiles_the_prepared_model(comm, accumulation):
     accumulate() still suppressing DDP's all-reduce through the wrapper."""
     from mpaccel.training import is_compiled_module
 
-    acc = _fresh(dynamo_backend="eager", gradient_accumulation_steps=accumulation)
+    acc = accelerator(dynamo_backend="eager", gradient_accumulation_steps=accumulation)
     assert acc.state.dynamo_plugin.backend == "EAGER"
     inner = _model()
     model, opt = acc.prepare(inner, torch.optim.SGD(inner.parameters(), lr=0.05))
@@ -833,8 +825,8 @@ def test_dynamo_backend_compiles_the_prepared_model(comm, accumulation):
     _train_steps(acc, model, opt, dataset, accumulation)
     if comm.size > 1:  # one bucket: one all-reduce per optimizer step, none in between
         assert len(reduces) == len(dataset) // GLOBAL_BATCH // accumulation
-    expected = _params(_reference(dataset, accumulation, epochs=1))
-    assert torch.allclose(_params(acc.unwrap_model(model)), expected, atol=1e-5)
+    expected = params(_reference(dataset, accumulation, epochs=1))
+    assert torch.allclose(params(acc.unwrap_model(model)), expected, atol=1e-5)
     # unwrap_model: compiled around the user's module by default, bare on request
     kept = acc.unwrap_model(model)
     assert is_compiled_module(kept) and kept._orig_mod is inner
@@ -854,11 +846,11 @@ def test_dynamo_plugin_options_reach_torch_compile(comm, monkeypatch):
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False)
-    acc = _fresh(dynamo_plugin=plugin)
+    acc = accelerator(dynamo_plugin=plugin)
     acc.prepare(_model())
     assert seen == {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
     seen.clear()
-    _fresh(dynamo_backend="no").prepare(_model())
+    accelerator(dynamo_backend="no").prepare(_model())
     assert seen == {}
 
 
@@ -890,7 +882,8 @@ def test_regional_compilation_compiles_each_block_and_trains_the_same(comm):
     from mpaccel.training import is_compiled_module
     from mpaccel.utils import TorchDynamoPlugin
 
-    acc = _fresh(dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    acc = accelerator(
+        dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
     inner = _Stack()
     model, opt = acc.prepare(inner, torch.optim.SGD(inner.parameters(), lr=0.05))
     regions = model.module if comm.size > 1 else model
@@ -917,7 +910,7 @@ def test_regional_compilation_compiles_each_block_and_trains_the_same(comm):
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(reference(x), y).backward()
         ref_opt.step()
-    assert torch.allclose(_params(inner), _params(reference), atol=1e-5)
+    assert torch.allclose(params(inner), params(reference), atol=1e-5)
     assert acc.unwrap_model(model, keep_torch_compile=False) is inner
     assert acc.unwrap_model(model) is regions
     assert list(acc.get_state_dict(model)) == list(inner.state_dict())  # no _orig_mod.
@@ -927,7 +920,7 @@ def test_regional_compilation_compiles_each_block_and_trains_the_same(comm):
 def test_inductor_backend(comm):
     from mpaccel.training import is_compiled_module
 
-    acc = _fresh(dynamo_backend="inductor")
+    acc = accelerator(dynamo_backend="inductor")
     model = acc.prepare(_model())
     assert is_compiled_module(model)
     x = torch.randn(4, 8)
@@ -976,7 +969,7 @@ def test_ddp_comm_hooks_are_registered_and_reduce(comm, hook, wrapper, option):
         comm_hook=DDPCommunicationHookType(hook), comm_wrapper=wrapper, comm_state_option=option
     )
     assert "comm_hook" not in kwargs.to_kwargs()  # not a DistributedDataParallel argument
-    acc = _fresh(kwargs_handlers=[kwargs])
+    acc = accelerator(kwargs_handlers=[kwargs])
     model = acc.prepare(_PerRank())
     if comm.size > 1:  # DDP names the hook it runs
         named = model._get_ddp_logging_data().get("comm_hook")
@@ -995,7 +988,7 @@ def test_bf16_comm_hooks_on_cpu_are_a_clear_error(comm):
         {"comm_hook": DDPCommunicationHookType.BF16},
         {"comm_hook": "power_sgd", "comm_wrapper": "bf16"},
     ):
-        acc = _fresh(kwargs_handlers=[DistributedDataParallelKwargs(**kwargs)])
+        acc = accelerator(kwargs_handlers=[DistributedDataParallelKwargs(**kwargs)])
         if comm.size == 1:  # no DDP: nothing registered, as in Accelerate
             acc.prepare(_PerRank())
             continue
@@ -1027,9 +1020,9 @@ def test_fp16_on_cpu_warns_once(comm, monkeypatch):
     monkeypatch.setattr(training, "_warned_fp16_on_cpu", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _fresh(mixed_precision="fp16")
-        _fresh(mixed_precision="fp16")
-        _fresh(mixed_precision="bf16")
+        accelerator(mixed_precision="fp16")
+        accelerator(mixed_precision="fp16")
+        accelerator(mixed_precision="bf16")
     mine = [w for w in caught if "fp16" in str(w.message) and "float32" in str(w.message)]
     assert len(mine) == (1 if comm.rank == 0 else 0)  # once, on the main process
     assert mine == [] or issubclass(mine[0].category, UserWarning)

@@ -19,6 +19,7 @@ from mpaccel.checkpoint import CheckpointError, CheckpointReader, load_model_sta
 from mpaccel.checkpoint.format import flatten, parse_size, unflatten
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedDataParallelKwargs, ProjectConfiguration
+from tests.conftest import params
 
 # Also run under Open MPI's mpiexec (docs/testing.md, "Which stage runs what").
 pytestmark = pytest.mark.openmpi
@@ -79,7 +80,7 @@ def _train(acc, model, opt, sched, loader, progress, epochs, stop_at=None, save_
 
 
 def _params(acc, model):
-    return torch.cat([p.detach().flatten() for p in acc.unwrap_model(model).parameters()])
+    return params(acc.unwrap_model(model))
 
 
 @pytest.mark.parametrize("find_unused_parameters", [False, True])

@@ -19,17 +19,13 @@ from torch.utils.data import (
 from mpaccel import Accelerator, DataLoaderConfiguration
 from mpaccel.errors import ConfigurationError
 from mpaccel.testing import reset_state
-
-
-def _fresh(**kwargs) -> Accelerator:
-    reset_state()
-    return Accelerator(**kwargs)
+from tests.conftest import accelerator
 
 
 def _sharded(**config) -> Accelerator:
     """An accelerator whose loaders of iterable datasets are sharded (every rank reads the
     stream) instead of dispatched from rank 0, Accelerate's default for them."""
-    return _fresh(dataloader_config=DataLoaderConfiguration(dispatch_batches=False, **config))
+    return accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False, **config))
 
 
 def _lists(loader) -> list:
@@ -155,7 +151,7 @@ def test_an_iterable_dataset_gives_each_rank_accelerates_batches(comm, even_batc
 
 @pytest.mark.parametrize("dispatch", [False, True])
 def test_an_iterable_dataset_with_a_length_gathers_each_sample_once(comm, dispatch):
-    acc = _fresh(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
+    acc = accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
     loader = acc.prepare(DataLoader(SizedStream(23), batch_size=3))
     assert len(loader) == -(-23 // (3 * comm.size))  # at size 1: the loader's 8 batches
     gathered = [acc.gather_for_metrics(batch) for batch in loader]
@@ -167,7 +163,7 @@ def test_an_iterable_dataset_with_a_length_gathers_each_sample_once(comm, dispat
 @pytest.mark.parametrize("dispatch", [False, True])
 def test_an_iterable_dataset_hears_the_epoch_and_its_generator_is_agreed(comm, dispatch):
     torch.manual_seed(1234 + comm.rank)  # each rank's own RNG differs: it must not matter
-    acc = _fresh(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
+    acc = accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
     dataset = Stream(40)
     loader = acc.prepare(DataLoader(dataset, batch_size=2))
     loader.set_epoch(3)
@@ -250,7 +246,7 @@ def test_batches_of_unknown_size_are_dealt_whole(comm, batches, even_batches, so
 
 @pytest.mark.parametrize("source", ["batch_sampler", "iterable", "map_unbatched"])
 def test_split_batches_needs_a_batch_size(comm, source):
-    acc = _fresh(split_batches=True)
+    acc = accelerator(split_batches=True)
     with pytest.raises(ConfigurationError, match="batch size") as error:
         acc.prepare(_unknown_size(source, B4))
     assert "HINT: use split_batches=False" in str(error.value)
@@ -260,7 +256,7 @@ def test_split_batches_needs_a_batch_size(comm, source):
 @pytest.mark.parametrize("source", ["iterable", "batch_sampler"])
 def test_resume_mid_epoch(comm, mpi_tmp_path, source, dispatch):
     def prepared():
-        acc = _fresh(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
+        acc = accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
         if source == "iterable":
             original = DataLoader(SizedStream(48), batch_size=2)
         else:
@@ -290,7 +286,7 @@ def test_resuming_the_way_accelerate_scripts_do(comm, mpi_tmp_path, flow, where)
     skip (load_state alone) the loader resumes where it was, too."""
 
     def prepared():
-        acc = _fresh()
+        acc = accelerator()
         return acc, acc.prepare(DataLoader(list(range(10 * comm.size)), batch_size=2, shuffle=True))
 
     acc, loader = prepared()
@@ -352,7 +348,7 @@ def test_a_resumed_pass_loads_none_of_the_samples_it_skips(comm, workers, unbatc
     dataset = Counting(12 * comm.size)
     options = {"batch_size": None} if unbatched else {"batch_size": 2}
     context = "fork" if workers else None
-    acc = _fresh()
+    acc = accelerator()
     loader = acc.prepare(
         DataLoader(dataset, shuffle=True, num_workers=workers, multiprocessing_context=context,
                    **options)
@@ -376,7 +372,7 @@ def test_skip_first_batches_of_a_loader_that_was_not_prepared(comm, source):
     original is untouched); a map-style dataset's skipped batches are not loaded."""
     import mpaccel
 
-    acc = _fresh()
+    acc = accelerator()
     dataset = Counting(10)
     if source == "batched":
         original = DataLoader(dataset, batch_size=3)
@@ -401,7 +397,7 @@ def test_skip_first_batches_of_a_loader_that_was_not_prepared(comm, source):
 
 def test_random_sampler_with_replacement_keeps_its_num_samples(comm):
     torch.manual_seed(1234 + comm.rank)  # each rank's own RNG differs: it must not matter
-    acc = _fresh()
+    acc = accelerator()
     sampler = RandomSampler(range(10), replacement=True, num_samples=40)
     loader = acc.prepare(DataLoader(list(range(10)), batch_size=5, sampler=sampler))
     n, r = comm.size, comm.rank
@@ -430,7 +426,7 @@ def test_an_unbatched_loader_keeps_its_items_and_shuffles_them_alike(comm):
     size 1 the loader's own items, as Accelerate gives them), dealt out as batches of no fixed
     size are; shuffled, one draw on every rank."""
     torch.manual_seed(1234 + comm.rank)  # each rank's own RNG differs: it must not matter
-    acc = _fresh()
+    acc = accelerator()
     plain = list(DataLoader(list(range(8)), batch_size=None))  # ints, as torch gives them
     loader = acc.prepare(DataLoader(list(range(8)), batch_size=None))
     items = list(loader)
@@ -457,7 +453,7 @@ def test_a_pass_left_early_still_moves_on_to_the_next_epoch(comm, leave, source)
     same K batches again. set_epoch() chooses the epoch of the next pass."""
 
     def prepared():
-        acc = _fresh()
+        acc = accelerator()
         if source == "shuffled":
             return acc.prepare(DataLoader(list(range(24)), batch_size=2, shuffle=True))
         if source == "dispatched":
@@ -480,7 +476,7 @@ def test_a_pass_left_early_still_moves_on_to_the_next_epoch(comm, leave, source)
 
 
 def test_a_skip_asked_for_between_passes_applies_to_the_next_one(comm):
-    acc = _fresh()
+    acc = accelerator()
     loader = acc.prepare(DataLoader(list(range(24)), batch_size=2, shuffle=True))
     reference = acc.prepare(DataLoader(list(range(24)), batch_size=2, shuffle=True))
     epochs = [_lists(reference) for _ in range(3)]
@@ -494,7 +490,7 @@ def test_a_skip_asked_for_between_passes_applies_to_the_next_one(comm):
 def test_the_prepared_loader_answers_for_the_dataloaders_attributes(comm):
     """Attributes a script reads from its DataLoader (num_workers, collate_fn, pin_memory, ...)
     are there on the prepared one, as Accelerate's delegates them to the DataLoader inside."""
-    acc = _fresh()
+    acc = accelerator()
 
     def collate(samples):
         return torch.tensor(samples)
@@ -519,7 +515,7 @@ def test_the_prepared_loader_passes_for_a_dataloader_and_is_prepared_once(comm):
 
     from mpaccel.data import DataLoaderShard
 
-    acc = _fresh()
+    acc = accelerator()
     loader = acc.prepare(DataLoader(list(range(10 * comm.size)), batch_size=3, shuffle=True))
     assert isinstance(loader, DataLoader) and isinstance(loader, DataLoaderShard)
     assert type(loader) is DataLoaderShard
@@ -534,7 +530,7 @@ def test_a_loader_resumed_with_skip_first_batches_counts_the_batches_it_will_giv
     """len() of a loader given to skip_first_batches is what the resumed pass gives, before and
     during that pass (a script's `step == len(loader) - 1` test then finds its last step, as with
     Accelerate's skipping loader); once the pass has run to its end the loader is whole again."""
-    acc = _fresh()
+    acc = accelerator()
     loader = acc.prepare(DataLoader(list(range(24)), batch_size=2))
     whole = _lists(loader)
     resumed = acc.skip_first_batches(loader, 2)
@@ -566,7 +562,7 @@ def test_a_batch_sampler_given_as_sampler_is_dealt_like_a_batch_sampler(comm, sh
     """DataLoader(dataset, sampler=BatchSampler(...), batch_size=None): the batches are dealt
     as those of DataLoader(samples, batch_size, shuffle) are, in the same shuffled order."""
     for length, batch_size in [(10, 2), (23, 4), (3, 4)]:
-        acc = _fresh()
+        acc = accelerator()
         inner = RandomSampler(range(length)) if shuffle else SequentialSampler(range(length))
         sampler = BatchSampler(inner, batch_size, drop_last=False)
         given = acc.prepare(DataLoader(Rows(length), sampler=sampler, batch_size=None))
@@ -581,7 +577,7 @@ def test_a_batch_sampler_given_as_sampler_is_dealt_like_a_batch_sampler(comm, sh
 def test_a_shuffling_loader_still_has_a_random_sampler(comm):
     """Scripts look at the sampler to know whether a loader shuffles: the one drawing the same
     on every rank is still a RandomSampler, with its data source, replacement and num_samples."""
-    acc = _fresh()
+    acc = accelerator()
     loader = acc.prepare(DataLoader(list(range(12)), batch_size=2, shuffle=True))
     for sampler in (loader.batch_sampler.sampler, loader.batch_sampler.batch_sampler.sampler):
         assert isinstance(sampler, RandomSampler)
@@ -647,7 +643,7 @@ def test_a_loader_generator_gives_the_order_of_the_plain_loader(comm, split, wor
     plain = [[v for b in plain_loader for v in b.tolist()] for _ in range(3)]
     torch.manual_seed(1234 + comm.rank)  # neither torch's RNG nor its seed may matter
     g = torch.Generator().manual_seed(7 + comm.rank)  # rank 0's generator is the one followed
-    acc = _fresh(split_batches=split)
+    acc = accelerator(split_batches=split)
     loader = acc.prepare(
         DataLoader(list(range(length)), batch_size=batch, shuffle=True, generator=g, **options)
     )
@@ -661,7 +657,7 @@ def test_a_generator_reseeded_between_passes_is_followed(comm):
     """The plain loader draws from its generator as it stands: reseeding it before each epoch
     repeats the order; the prepared loader does the same."""
     g = torch.Generator()
-    acc = _fresh()
+    acc = accelerator()
     data = list(range(8 * comm.size))
     loader = acc.prepare(DataLoader(data, batch_size=2, shuffle=True, generator=g))
     plain_g = torch.Generator()
@@ -682,7 +678,7 @@ def test_a_checkpoint_resumes_the_order_of_a_loader_generator(comm, mpi_tmp_path
     and the next are those of the uninterrupted run."""
 
     def prepared():
-        acc = _fresh()
+        acc = accelerator()
         g = torch.Generator().manual_seed(3)
         data = list(range(6 * comm.size))
         return acc, acc.prepare(DataLoader(data, batch_size=2, shuffle=True, generator=g))
@@ -758,7 +754,7 @@ def test_training_on_shuffled_batches_gives_the_single_process_model(comm, split
     reference = Affine()
     _train(_shuffled(data, per_rank * n, g, seedable), reference, lambda loss: loss.backward())
     config = DataLoaderConfiguration(split_batches=split, use_seedable_sampler=seedable)
-    acc = _fresh(dataloader_config=config)
+    acc = accelerator(dataloader_config=config)
     loader, model = acc.prepare(
         _shuffled(data, per_rank * n if split else per_rank, g, seedable), Affine()
     )
@@ -800,7 +796,7 @@ def test_use_seedable_sampler_draws_from_the_seed_not_the_generator(comm):
     config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=9)
     orders = []
     for seed in (1, 2):
-        acc = _fresh(dataloader_config=config)
+        acc = accelerator(dataloader_config=config)
         g = torch.Generator().manual_seed(seed)
         data = list(range(8 * n))
         loader = acc.prepare(DataLoader(data, batch_size=2, shuffle=True, generator=g))
@@ -896,7 +892,7 @@ def test_synchronize_rng_states_gives_every_rank_rank_0s_states(comm):
 
 def test_rng_types_synchronise_torchs_generator_at_each_pass(comm):
     """Accelerator(rng_types=["torch"]): every pass starts from rank 0's torch RNG state."""
-    acc = _fresh(rng_types=["torch"])
+    acc = accelerator(rng_types=["torch"])
     loader = acc.prepare(DataLoader(list(range(4 * comm.size)), batch_size=2))
     torch.manual_seed(comm.rank)
     for _ in loader:
@@ -904,7 +900,7 @@ def test_rng_types_synchronise_torchs_generator_at_each_pass(comm):
         break
     assert comm.allgather(drawn) == [drawn] * comm.size
     with pytest.raises(ConfigurationError, match="'xla'"):
-        _fresh(rng_types=["xla"]).prepare(DataLoader(list(range(4)), batch_size=2))
+        accelerator(rng_types=["xla"]).prepare(DataLoader(list(range(4)), batch_size=2))
 
 
 @pytest.mark.parametrize("dispatch", [False, True])
@@ -920,7 +916,7 @@ def test_the_prepared_loader_state_dict_resumes_mid_epoch(comm, source, dispatch
         return collect(comm, TrainingState(per_rank={"dataloader_0": loader}))[1]["dataloader_0"]
 
     config = DataLoaderConfiguration(dispatch_batches=dispatch)
-    acc = _fresh(dataloader_config=config)
+    acc = accelerator(dataloader_config=config)
     if source == "shuffled":
         original = DataLoader(list(range(32 * comm.size)), batch_size=4, shuffle=True)
     else:
@@ -939,7 +935,8 @@ def test_the_prepared_loader_state_dict_resumes_mid_epoch(comm, source, dispatch
 
 
 def _stateful(**config) -> Accelerator:
-    return _fresh(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, **config))
+    return accelerator(
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, **config))
 
 
 def test_use_stateful_dataloader_without_torchdata_says_what_to_install(comm):
@@ -1017,7 +1014,7 @@ def test_ranks_of_one_tensor_parallel_group_read_the_same_batches(comm):
 
     from mpaccel.data_loader import prepare_data_loader
 
-    _fresh()
+    accelerator()
     n = comm.size
     mesh = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("dp_shard", "tp"))
     plain = DataLoader(list(range(4 * n)), batch_size=2)

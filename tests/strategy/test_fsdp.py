@@ -18,6 +18,7 @@ from mpaccel import Accelerator, AcceleratorState
 from mpaccel.errors import CollectiveError, ConfigurationError, MpaccelWarning
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
+from tests.conftest import accelerator
 
 pytestmark = pytest.mark.usefixtures("no_group_left_behind")
 
@@ -63,9 +64,8 @@ def _plugin(**fields) -> FullyShardedDataParallelPlugin:
 
 
 def _fresh(**kwargs) -> Accelerator:
-    reset_state()
     kwargs.setdefault("fsdp_plugin", _plugin())
-    return Accelerator(**kwargs)
+    return accelerator(**kwargs)
 
 
 def _reference(dataset, accumulation, epochs, clip=None):

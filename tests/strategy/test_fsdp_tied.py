@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from mpaccel import Accelerator
 from mpaccel.errors import CollectiveError, ConfigurationError
-from mpaccel.testing import reset_state
 from mpaccel.utils import FullyShardedDataParallelPlugin
+from tests.conftest import accelerator
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -89,8 +89,7 @@ def _reference(kind: str) -> float:
 
 
 def _fresh(**fields) -> Accelerator:
-    reset_state()
-    return Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(**fields))
+    return accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(**fields))
 
 
 def _tied_names(model: torch.nn.Module) -> list[list[str]]:

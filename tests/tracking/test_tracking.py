@@ -21,19 +21,14 @@ import numpy as np
 import pytest
 import torch
 
-from mpaccel import Accelerator, distributed, tracking
+from mpaccel import distributed, tracking
 from mpaccel.errors import ConfigurationError, MpaccelWarning
-from mpaccel.testing import reset_state
 from mpaccel.tracking import GeneralTracker
 from mpaccel.utils import LoggerType
+from tests.conftest import accelerator
 
 CONFIG = {"lr": 0.1, "optimizer": "adam"}
 HISTORY = [(1, 0.5), (2, 0.25)]
-
-
-def _fresh(**kwargs) -> Accelerator:
-    reset_state()
-    return Accelerator(**kwargs)
 
 
 def _needs(package: str) -> None:
@@ -274,7 +269,7 @@ def test_tracker_records_hparams_and_metrics_through_its_library(
     # repository): the test's directory, not the checkout the tests run from.
     monkeypatch.chdir(directory)
     init_kwargs = setup(monkeypatch, directory) if setup else {}
-    acc = _fresh(log_with=name, project_dir=str(directory))
+    acc = accelerator(log_with=name, project_dir=str(directory))
     assert acc.log_with == [name]
     acc.init_trackers("proj", config=CONFIG, init_kwargs={name: init_kwargs})
     acc.log({"loss": 0.5}, step=1)
@@ -308,7 +303,7 @@ def test_a_tracker_whose_package_is_missing_is_left_out_with_a_warning(comm, mon
     for attempt in range(2):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            acc = _fresh(log_with=["wandb", recorder, LoggerType.WANDB])
+            acc = accelerator(log_with=["wandb", recorder, LoggerType.WANDB])
         said = [w for w in caught if "wandb" in str(w.message)]
         if comm.rank == 0 and attempt == 0:
             assert len(said) == 1 and "HINT: pip install wandb" in str(said[0].message)
@@ -328,17 +323,17 @@ def test_all_is_every_installed_tracker(comm, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     installed = [n for n in tracking.LOGGER_TYPE_TO_CLASS if tracking.is_available(n)]
     assert "wandb" not in installed
-    acc = _fresh(log_with=LoggerType.ALL)
+    acc = accelerator(log_with=LoggerType.ALL)
     assert acc.log_with == installed == tracking.get_available_trackers()  # Accelerate's order
     if importlib.util.find_spec("tensorboard"):
         assert "tensorboard" in installed
     recorder = _Recorder()
-    assert _fresh(log_with=["all", recorder]).log_with == [recorder, *installed]
+    assert accelerator(log_with=["all", recorder]).log_with == [recorder, *installed]
 
 
 def test_unknown_names_are_an_error_naming_the_known_ones(comm):
     with pytest.raises(ConfigurationError, match=r"unknown tracker\(s\) \['wandbb'\].*'mlflow'"):
-        _fresh(log_with=["tensorboard", "wandbb"])
+        accelerator(log_with=["tensorboard", "wandbb"])
 
 
 def test_a_registered_tracker_class_is_built_by_name(comm, monkeypatch):
@@ -354,7 +349,7 @@ def test_a_registered_tracker_class_is_built_by_name(comm, monkeypatch):
             built.append((run_name, kwargs))
 
     tracking.register_tracker_class(Named)
-    acc = _fresh(log_with="named")
+    acc = accelerator(log_with="named")
     acc.init_trackers("proj", init_kwargs={"named": {"tag": "x"}})
     assert built == ([("proj", {"tag": "x"})] if comm.rank == 0 else [])
     with pytest.raises(ValueError, match="GeneralTracker subclass"):
@@ -364,7 +359,7 @@ def test_a_registered_tracker_class_is_built_by_name(comm, monkeypatch):
 
 def test_a_tracker_writing_files_needs_a_logging_dir_on_every_rank(comm):
     _needs("tensorboard")
-    acc = _fresh(log_with="tensorboard")
+    acc = accelerator(log_with="tensorboard")
     with pytest.raises(ConfigurationError, match=r"\['tensorboard'\] write files"):
         acc.init_trackers("run")  # every rank raises: none is left waiting for rank 0
 
@@ -400,7 +395,7 @@ def test_a_tracker_class_without_its_attributes_is_refused():
 
 
 def test_on_main_process_follows_the_trackers_main_process_only(comm):
-    _fresh()
+    accelerator()
 
     class Counter(_Recorder):
         @tracking.on_main_process
@@ -417,7 +412,7 @@ def test_on_main_process_follows_the_trackers_main_process_only(comm):
 
 def test_tensorboard_converts_tensors_and_skips_what_it_cannot_log(comm, mpi_tmp_path):
     _needs("tensorboard")
-    acc = _fresh(log_with="tensorboard", project_dir=str(mpi_tmp_path))
+    acc = accelerator(log_with="tensorboard", project_dir=str(mpi_tmp_path))
     acc.init_trackers("run", config={"lr": torch.tensor(0.5), "sizes": [1, 2], "none": None})
     acc.log({"loss": 0.5, "note": "ok", "parts": {"a": 1.0, "b": 2.0}}, step=1)
     # one-element tensors and numpy scalars are numbers; what cannot be logged is skipped with
@@ -445,7 +440,7 @@ def test_tensorboard_converts_tensors_and_skips_what_it_cannot_log(comm, mpi_tmp
 def test_mlflow_logs_numbers_and_skips_the_rest(comm, mpi_tmp_path, monkeypatch):
     _needs("mlflow")
     _mlflow_setup(monkeypatch, mpi_tmp_path)
-    acc = _fresh(log_with="mlflow")
+    acc = accelerator(log_with="mlflow")
     acc.init_trackers("proj", config={f"p{i}": i for i in range(150)})  # > 100: batched
     context = pytest.warns(RuntimeWarning, match="mlflow cannot log 'note'") \
         if acc.is_main_process else contextlib.nullcontext()
@@ -459,7 +454,7 @@ def test_mlflow_logs_numbers_and_skips_the_rest(comm, mpi_tmp_path, monkeypatch)
 
 def test_trackers_log_on_the_main_process_and_end_training(comm):
     recorder = _Recorder()
-    acc = _fresh(log_with=[recorder])
+    acc = accelerator(log_with=[recorder])
     acc.init_trackers("run", config={"lr": 0.1})
     acc.log({"loss": 1.5}, step=3, log_kwargs={"recorder": {"flush": True}, "other": {"x": 1}})
     tracker = acc.get_tracker("recorder")
@@ -478,7 +473,7 @@ def test_trackers_log_on_the_main_process_and_end_training(comm):
 
 def test_get_tracker_without_running_trackers_is_blank_everywhere(comm):
     # Accelerate's answer when nothing runs (log_with named a missing package, say)
-    acc = _fresh()
+    acc = accelerator()
     acc.init_trackers("run")
     assert type(acc.get_tracker("wandb", unwrap=True)) is GeneralTracker
     acc.end_training()
@@ -499,7 +494,7 @@ def test_mlflow_variables_take_precedence_over_the_arguments(comm, mpi_tmp_path,
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
     monkeypatch.setenv("MLFLOW_TAGS", '{"team": "env", "stage": "1"}')
     monkeypatch.setenv("MLFLOW_NESTED_RUN", "true")
-    acc = _fresh(log_with="mlflow")
+    acc = accelerator(log_with="mlflow")
     parent = mlflow.start_run(run_name="sweep") if acc.is_main_process else None
     try:
         acc.init_trackers("proj", init_kwargs={"mlflow": {"tags": {"team": "argument"},
@@ -524,7 +519,7 @@ def test_mlflow_run_id_resumes_that_run_whatever_the_argument(comm, mpi_tmp_path
     from mlflow import MlflowClient
 
     _mlflow_setup(monkeypatch, mpi_tmp_path)
-    acc = _fresh(log_with="mlflow")
+    acc = accelerator(log_with="mlflow")
     if acc.is_main_process:
         client = MlflowClient(tracking_uri=_mlflow_uri(mpi_tmp_path))
         earlier = client.create_run(client.create_experiment("proj")).info.run_id
