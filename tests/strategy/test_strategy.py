@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from tests.strategy.test_fsdp import Tiny
 
 import mpaccel.accelerator
 from mpaccel import Accelerator, PartialState
@@ -20,6 +19,7 @@ from mpaccel.strategy import DataParallel, FullySharded, Strategy, choose_plugin
 from mpaccel.strategy.fully_sharded import OptimizerState, mixed_precision_policy
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
+from tests.strategy.test_fsdp import Tiny
 
 
 def plugin(**fields) -> FullyShardedDataParallelPlugin:
