@@ -89,17 +89,20 @@ class TrainingState:
         step: Stateful | None = None,
         gradients: bool = False,
         loading: bool = False,
-        optimizer_state: Callable[[Any, bool], Stateful] | None = None,
+        sharded_entries: Callable[[Mapping[str, torch.nn.Module], Mapping[str, Any], bool],
+                                  Mapping[str, Stateful]] | None = None,
     ) -> TrainingState:
         """What an Accelerator's save_state/load_state hand the checkpoint, under the names of
         its entries (docs/checkpoint-format.md): the (unwrapped) `models`, `optimizers`,
         `schedulers`, the grad `scaler` (optional on load), the registered `custom` objects,
         `step` (the Accelerator's micro-batch count, entry "accelerator") and the data
         `loaders` (each rank's position); with `gradients`, the models' gradients per rank
-        (a save mid-accumulation). A model holding DTensors is fully sharded: it and every
-        optimizer (all built over the shards) are `sharded` entries, each optimizer as
-        `optimizer_state(optimizer, loading)` (a Stateful that, for a load, creates the state
-        a fresh optimizer lacks)."""
+        (a save mid-accumulation). Which entries hold each rank's rows is the parallelism
+        strategy's to say: `sharded_entries(models, optimizers, loading)` (the strategy's
+        `checkpoint_entries`) names them, out of the named models and optimizers, as the
+        Statefuls to save (an optimizer over shards as one that, for a load, creates the
+        state a fresh optimizer lacks); without it, a model holding DTensors and every
+        optimizer are taken as they are."""
         named = {f"model_{i}": module for i, module in enumerate(models)}
         held = {f"optimizer_{i}": opt for i, opt in enumerate(optimizers)}
         shared: dict[str, Stateful] = {f"scheduler_{i}": s for i, s in enumerate(schedulers)}
@@ -108,10 +111,11 @@ class TrainingState:
         shared.update({f"custom_{i}": obj for i, obj in enumerate(custom)})
         if step is not None:
             shared["accelerator"] = step
-        sharded: dict[str, Any] = {n: m for n, m in named.items() if holds_dtensors(m)}
-        if sharded:
-            sharded.update({n: opt if optimizer_state is None else optimizer_state(opt, loading)
-                            for n, opt in held.items()})
+        if sharded_entries is not None:
+            sharded: dict[str, Any] = dict(sharded_entries(named, held, loading))
+        else:
+            sharded = {n: m for n, m in named.items() if holds_dtensors(m)}
+            sharded.update({n: opt for n, opt in held.items()} if sharded else {})
         return cls(
             models={n: m for n, m in named.items() if n not in sharded},
             optimizers={n: o for n, o in held.items() if n not in sharded},
