@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 
 
-class _NamesMeta(enum.EnumMeta):
+class _NamedEnumMeta(enum.EnumMeta):
     """`"fp16" in PrecisionType` answers by value (Python 3.11's Enum raises TypeError)."""
 
     def __contains__(cls, item: object) -> bool:
@@ -17,7 +17,7 @@ class _NamesMeta(enum.EnumMeta):
         return True
 
 
-class _Names(str, enum.Enum, metaclass=_NamesMeta):
+class NamedEnum(str, enum.Enum, metaclass=_NamedEnumMeta):
     """A string enum that prints as its value (as Accelerate's enums do)."""
 
     def __str__(self) -> str:
@@ -29,7 +29,7 @@ class _Names(str, enum.Enum, metaclass=_NamesMeta):
         return [str(member) for member in cls]
 
 
-class LoggerType(_Names):
+class LoggerType(NamedEnum):
     """Tracker names, as Accelerate spells them, for `Accelerator(log_with=...)` (which of
     them mpaccel can start: docs/training.md, "Experiment trackers")."""
 
@@ -45,7 +45,7 @@ class LoggerType(_Names):
     SWANLAB = "swanlab"
 
 
-class DistributedType(_Names):
+class DistributedType(NamedEnum):
     """Kinds of distributed set-up, every member Accelerate has. mpaccel itself produces NO,
     MULTI_CPU (gloo) and MULTI_GPU (NCCL); the other names exist so code comparing against them
     keeps working."""
@@ -66,7 +66,7 @@ class DistributedType(_Names):
     MULTI_NEURON = "MULTI_NEURON"
 
 
-class PrecisionType(_Names):
+class PrecisionType(NamedEnum):
     """Values of `mixed_precision` (mpaccel refuses FP8: see the training docs)."""
 
     NO = "no"
@@ -75,7 +75,7 @@ class PrecisionType(_Names):
     BF16 = "bf16"
 
 
-class RNGType(_Names):
+class RNGType(NamedEnum):
     """Random generators, as Accelerate names them for `Accelerator(rng_types=...)`."""
 
     TORCH = "torch"
@@ -91,7 +91,7 @@ class RNGType(_Names):
     GENERATOR = "generator"
 
 
-class DynamoBackend(_Names):
+class DynamoBackend(NamedEnum):
     """torch.compile backends, as Accelerate names them (`Accelerator(dynamo_backend=...)`):
     the lower-cased value is torch's backend name; NO compiles nothing."""
 
@@ -113,7 +113,7 @@ class DynamoBackend(_Names):
     NEURON = "NEURON"
 
 
-class DDPCommunicationHookType(_Names):
+class DDPCommunicationHookType(NamedEnum):
     """DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks) for
     `DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=...)`."""
 
@@ -124,14 +124,14 @@ class DDPCommunicationHookType(_Names):
     BATCHED_POWER_SGD = "batched_power_sgd"
 
 
-class ComputeEnvironment(_Names):
+class ComputeEnvironment(NamedEnum):
     """Where Accelerate's `accelerate config` says the job runs (kept for code naming it)."""
 
     LOCAL_MACHINE = "LOCAL_MACHINE"
     AMAZON_SAGEMAKER = "AMAZON_SAGEMAKER"
 
 
-class SageMakerDistributedType(_Names):
+class SageMakerDistributedType(NamedEnum):
     """SageMaker's kinds of parallelism (kept for code naming them; mpaccel has no SageMaker
     launcher)."""
 

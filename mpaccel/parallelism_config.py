@@ -1,5 +1,5 @@
-"""Accelerate's `accelerate.parallelism_config` path: ParallelismConfig (mpaccel.config_fsdp's)."""
+"""Accelerate's `accelerate.parallelism_config` path: ParallelismConfig (mpaccel.config.fsdp's)."""
 
-from .config_fsdp import ParallelismConfig
+from .config.fsdp import ParallelismConfig
 
 __all__ = ["ParallelismConfig"]

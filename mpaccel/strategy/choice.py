@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _env
-from ..config_fsdp import FullyShardedDataParallelPlugin, ParallelismConfig
+from ..config.fsdp import FullyShardedDataParallelPlugin, ParallelismConfig
 from ..errors import ConfigurationError
 from .base import Strategy
 from .data_parallel import DataParallel

@@ -29,7 +29,7 @@ import torch
 
 from .. import distributed, shared_settings
 from ..comm import Comm, agreement
-from ..config_fsdp import FSDPAutoWrapPolicy, FullyShardedDataParallelPlugin
+from ..config.fsdp import FSDPAutoWrapPolicy, FullyShardedDataParallelPlugin
 from ..enums import DistributedType
 from ..errors import CollectiveError, ConfigurationError, MpaccelWarning
 from .base import Strategy
@@ -690,7 +690,7 @@ def warn(message: str, stacklevel: int = 4) -> None:
 
 
 def mixed_precision_policy(policy: Any) -> Any:
-    """torch's MixedPrecisionPolicy for the plugin's (config_fsdp.PrecisionPolicy); None
+    """torch's MixedPrecisionPolicy for the plugin's (config.fsdp.PrecisionPolicy); None
     stays None."""
     if policy is None:
         return None

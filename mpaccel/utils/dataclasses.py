@@ -1,5 +1,5 @@
 """Accelerate's module path for its configuration classes (`accelerate.utils.dataclasses`): the
-same objects as mpaccel.config, mpaccel.enums and mpaccel.config_fsdp."""
+same objects as mpaccel.config, mpaccel.enums and mpaccel.config.fsdp."""
 
 from ..config import (
     AutocastKwargs,
@@ -16,7 +16,7 @@ from ..config import (
     TorchDynamoPlugin,
     TorchTensorParallelPlugin,
 )
-from ..config_fsdp import (
+from ..config.fsdp import (
     FSDPAutoWrapPolicy,
     FSDPShardingStrategy,
     FSDPStateDictType,

@@ -9,13 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _env
-from .config import KwargsHandler
-from .enums import _Names
-from .errors import ConfigurationError, MpaccelWarning
+from .. import _env
+from ..enums import NamedEnum
+from ..errors import ConfigurationError, MpaccelWarning
+from .kwargs import KwargsHandler
 
 
-class FSDPShardingStrategy(_Names):
+class FSDPShardingStrategy(NamedEnum):
     """Accelerate's FSDP_SHARDING_STRATEGY names. Under FSDP2, FULL_SHARD and SHARD_GRAD_OP shard
     over every rank (SHARD_GRAD_OP keeps parameters gathered between forward and backward);
     the HYBRID ones shard within each node and replicate across nodes. NO_SHARD is DDP."""
@@ -27,7 +27,7 @@ class FSDPShardingStrategy(_Names):
     HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
 
 
-class FSDPStateDictType(_Names):
+class FSDPStateDictType(NamedEnum):
     """What save_state writes for a sharded model: its shards, or whole tensors (FSDP2 has no
     LOCAL_STATE_DICT)."""
 
@@ -35,7 +35,7 @@ class FSDPStateDictType(_Names):
     FULL_STATE_DICT = "FULL_STATE_DICT"
 
 
-class FSDPAutoWrapPolicy(_Names):
+class FSDPAutoWrapPolicy(NamedEnum):
     """Which submodules become FSDP units of their own (the root always is one)."""
 
     TRANSFORMER_BASED_WRAP = "TRANSFORMER_BASED_WRAP"
