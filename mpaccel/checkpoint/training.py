@@ -39,7 +39,7 @@ def _empty() -> Mapping[str, Any]:
 def holds_dtensors(module: torch.nn.Module) -> bool:
     """Not collective. `module` holds DTensors (fully sharded: each rank holds its rows)."""
     # No DTensor exists unless torch.distributed.tensor was imported (FSDP), and importing it
-    # here would change a gloo teardown race (see mpaccel/fsdp.py's docstring).
+    # here would change a gloo teardown race (see mpaccel/strategy/fully_sharded.py's docstring).
     tensors = sys.modules.get("torch.distributed.tensor")
     return tensors is not None and any(
         isinstance(t, tensors.DTensor) for t in itertools.chain(module.parameters(),
