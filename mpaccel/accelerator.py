@@ -256,58 +256,72 @@ class Accelerator:
 
     @property
     def device(self) -> torch.device:
+        """Not collective. The torch.device this process computes on."""
         return self.state.device
 
     @property
     def distributed_type(self) -> DistributedType:
+        """Not collective. The kind of set-up: a DistributedType (NO, MULTI_CPU, FSDP, ...)."""
         return self.state.distributed_type
 
     @property
     def num_processes(self) -> int:
+        """Not collective. How many processes the job has."""
         return self._partial.num_processes
 
     @property
     def process_index(self) -> int:
+        """Not collective. This process's global index (its rank)."""
         return self._partial.process_index
 
     @property
     def local_process_index(self) -> int:
+        """Not collective. This process's index on its node."""
         return self._partial.local_process_index
 
     @property
     def num_nodes(self) -> int:
+        """Not collective. How many nodes the job runs on."""
         return self._partial.num_nodes
 
     @property
     def node_index(self) -> int:
+        """Not collective. The index of this process's node."""
         return self._partial.node_index
 
     @property
     def use_distributed(self) -> bool:
+        """Not collective. Whether the job has more than one process."""
         return self._partial.use_distributed
 
     @property
     def is_main_process(self) -> bool:
+        """Not collective. Whether this is the process of global index 0."""
         return self._partial.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
+        """Not collective. Whether this is the process of index 0 on its node."""
         return self._partial.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
+        """Not collective. Whether this is the process of the highest global index."""
         return self._partial.is_last_process
 
     @property
     def mixed_precision(self) -> str:
+        """Not collective. The mixed precision in use: "no", "fp16" or "bf16"."""
         return self.state.mixed_precision
 
     @property
     def split_batches(self) -> bool:
+        """Not collective. dataloader_config's split_batches."""
         return self.dataloader_config.split_batches
 
     @property
     def even_batches(self) -> bool:
+        """Not collective. dataloader_config's even_batches (set: for loaders prepared later)."""
         return self.dataloader_config.even_batches
 
     @even_batches.setter
@@ -316,14 +330,17 @@ class Accelerator:
 
     @property
     def project_dir(self) -> str | None:
+        """Not collective. The ProjectConfiguration's project directory, None without one."""
         return self.project_configuration.project_dir
 
     @property
     def logging_dir(self) -> str | None:
+        """Not collective. The ProjectConfiguration's logging directory, None without one."""
         return self.project_configuration.logging_dir
 
     @property
     def sync_gradients(self) -> bool:
+        """Not collective. Whether this micro-batch synchronises gradients (settable)."""
         return self.gradient_state.sync_gradients
 
     @sync_gradients.setter
@@ -332,6 +349,7 @@ class Accelerator:
 
     @property
     def gradient_accumulation_steps(self) -> int:
+        """Not collective. Micro-batches per optimizer step (settable)."""
         return self.gradient_state.num_steps
 
     @gradient_accumulation_steps.setter
@@ -340,37 +358,42 @@ class Accelerator:
 
     @property
     def dispatch_batches(self) -> Any:
+        """Not collective. dataloader_config's dispatch_batches (None: its default)."""
         return getattr(self.dataloader_config, "dispatch_batches", None)
 
     @property
     def use_stateful_dataloader(self) -> bool:
+        """Not collective. dataloader_config's use_stateful_dataloader."""
         return bool(getattr(self.dataloader_config, "use_stateful_dataloader", False))
 
     @property
     def use_seedable_sampler(self) -> bool:
+        """Not collective. dataloader_config's use_seedable_sampler."""
         return self.dataloader_config.use_seedable_sampler
 
     @property
     def non_blocking(self) -> bool:
+        """Not collective. dataloader_config's non_blocking."""
         return self.dataloader_config.non_blocking
 
     @property
     def multi_device(self) -> bool:
-        """Several processes on accelerators (GPUs), as Accelerate: False on CPU."""
+        """Not collective. Several processes on accelerators (GPUs), as Accelerate: False on
+        CPU."""
         return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
 
     @property
     def should_save_model(self) -> bool:
-        """Whether this process writes the model where only some do: each node's local main
-        process, as Accelerate's without a ParallelismConfig."""
+        """Not collective. Whether this process writes the model where only some do: each
+        node's local main process, as Accelerate's without a ParallelismConfig."""
         return self.is_local_main_process
 
     # -- the parallel layout (the strategy's) ---------------------------------------------------
 
     @property
     def strategy(self) -> Strategy:
-        """How models are parallelised (mpaccel.strategy), picked once by AcceleratorState: the
-        Accelerator asks it, never which one it is."""
+        """Not collective. How models are parallelised (mpaccel.strategy), picked once by
+        AcceleratorState: the Accelerator asks it, never which one it is."""
         return self.state.strategy
 
     def _mesh_rank(self, dim: str, what: str) -> int:
@@ -387,45 +410,53 @@ class Accelerator:
 
     @property
     def is_fsdp2(self) -> bool:
+        """Not collective. Whether models are fully sharded (mpaccel's FSDP is always FSDP2)."""
         return self.state.is_fsdp2
 
     @property
     def deepspeed_plugin(self) -> Any:
+        """Not collective. Always None: mpaccel does not drive DeepSpeed."""
         return None
 
     @property
     def parallelism_config(self) -> Any:
+        """Not collective. The ParallelismConfig given to the Accelerator, or None."""
         return self.state.parallelism_config
 
     @property
     def torch_device_mesh(self) -> Any:
+        """Not collective. The device mesh FSDP shards over; None without FSDP."""
         return self.state.device_mesh
 
     @property
     def is_composable_parallelism_enabled(self) -> bool:
+        """Not collective. Always False (Accelerate's flag for its TP/CP mix)."""
         return False
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's replica index (mesh dimension 'dp_replicate'): 0 where the
-        ParallelismConfig has dp_replicate_size 1. RuntimeError without a ParallelismConfig."""
+        """Not collective. This rank's replica index (mesh dimension 'dp_replicate'): 0 where
+        the ParallelismConfig has dp_replicate_size 1. RuntimeError without a
+        ParallelismConfig."""
         return self._mesh_rank("dp_replicate", "data parallelism")
 
     @property
     def data_parallel_shard_rank(self) -> int:
-        """This rank's index in its shard group (mesh dimension 'dp_shard'): 0 where the
-        ParallelismConfig has dp_shard_size 1. RuntimeError without a ParallelismConfig."""
+        """Not collective. This rank's index in its shard group (mesh dimension 'dp_shard'): 0
+        where the ParallelismConfig has dp_shard_size 1. RuntimeError without a
+        ParallelismConfig."""
         return self._mesh_rank("dp_shard", "shard-based data parallelism")
 
     @property
     def tensor_parallel_rank(self) -> int:
-        """0 with a ParallelismConfig (mpaccel drives no tensor parallelism: every rank holds
-        the same slice); RuntimeError without one, as Accelerate's."""
+        """Not collective. 0 with a ParallelismConfig (mpaccel drives no tensor parallelism:
+        every rank holds the same slice); RuntimeError without one, as Accelerate's."""
         return self._mesh_rank("tp", "tensor parallelism")
 
     @property
     def context_parallel_rank(self) -> int:
-        """NotImplementedError, as Accelerate's: there is no context parallelism."""
+        """Not collective. NotImplementedError, as Accelerate's: there is no context
+        parallelism."""
         raise NotImplementedError(with_hint(
             "context parallelism is not supported (in Accelerate neither)",
             "split long sequences yourself; ParallelismConfig's cp_size must be 1.",
@@ -433,7 +464,8 @@ class Accelerator:
 
     @property
     def pipeline_parallel_rank(self) -> int:
-        """NotImplementedError, as Accelerate's: there is no pipeline parallelism."""
+        """Not collective. NotImplementedError, as Accelerate's: there is no pipeline
+        parallelism."""
         raise NotImplementedError(with_hint(
             "pipeline parallelism is not supported (in Accelerate neither)",
             "shard the model with an fsdp_plugin instead of splitting it into stages.",
@@ -1114,7 +1146,8 @@ class Accelerator:
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """fp16: the last optimizer step was skipped because gradients overflowed."""
+        """Not collective. fp16: the last optimizer step was skipped because gradients
+        overflowed."""
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     # -- collective operations on tensors --------------------------------------------------------
@@ -1218,7 +1251,8 @@ class Accelerator:
 
     @property
     def has_lomo_optimizer(self) -> bool:
-        """Whether a LOMO optimizer (lomo-optim's Lomo or AdaLomo) was prepared."""
+        """Not collective. Whether a LOMO optimizer (lomo-optim's Lomo or AdaLomo) was
+        prepared."""
         return any(
             type(opt.optimizer).__module__.partition(".")[0] == "lomo_optim"
             for opt in self._optimizers
@@ -1576,7 +1610,8 @@ class Accelerator:
 
     @property
     def preempted(self) -> str | None:
-        """The signal that stopped the job ('SIGUSR1', ...), None if none arrived here."""
+        """Not collective. The signal that stopped the job ('SIGUSR1', ...), None if none
+        arrived here."""
         return None if self._preemption is None else self._preemption.signal_name
 
     def checkpoint_and_exit(self, output_dir: str | None = None, exit_code: int = 0) -> None:
@@ -1607,11 +1642,12 @@ class Accelerator:
 
     @property
     def restart_count(self) -> int:
-        """SLURM_RESTART_COUNT: 0 on the first run, n after n requeues."""
+        """Not collective. SLURM_RESTART_COUNT: 0 on the first run, n after n requeues."""
         return preemption.restart_count()
 
     @property
     def save_iteration(self) -> int:
+        """Not collective. The number the next automatically named checkpoint gets."""
         return self.project_configuration.iteration
 
 
