@@ -76,6 +76,46 @@ class Accelerator:
     """Entry point: process facts, process control, and (see the training docs) training.
 
     Creating it is collective: every process of the job must create one.
+
+    Args:
+        device_placement: move prepared models, optimizer states and batches to `device`;
+            prepare()'s `device_placement` overrides it object by object.
+        split_batches: the loaders' batch size is the global one, split over the ranks;
+            used only when `dataloader_config` is None.
+        mixed_precision: "no", "fp16" or "bf16"; None: MPACCEL_MIXED_PRECISION or
+            ACCELERATE_MIXED_PRECISION, else "no".
+        gradient_accumulation_steps: micro-batches per optimizer step, an int >= 1.
+        cpu: run on the CPU even when GPUs are visible.
+        dataloader_config: how prepared loaders shard and place batches; None: the defaults
+            with `split_batches`.
+        deepspeed_plugin: must be None (mpaccel does not drive DeepSpeed).
+        fsdp_plugin: a FullyShardedDataParallelPlugin: prepared models are fully sharded.
+        torch_tp_plugin: must be None (mpaccel does no tensor parallelism).
+        megatron_lm_plugin: must be None (mpaccel does not drive Megatron-LM).
+        rng_types: the generators prepared loaders synchronise from rank 0 each pass;
+            None: ["generator"].
+        log_with: the trackers init_trackers() starts: a name, a LoggerType, a
+            GeneralTracker, "all", or a list of these; an unknown name is an error.
+        project_dir: where checkpoints and logs go (set on `project_config` if both given).
+        project_config: a ProjectConfiguration (checkpoint naming and rotation, logging
+            directory); None: one made from `project_dir`.
+        gradient_accumulation_plugin: a GradientAccumulationPlugin, instead of
+            `gradient_accumulation_steps` (passing both is a ValueError).
+        step_scheduler_with_optimizer: prepared schedulers step only when the optimizer
+            does (and once per rank unless batches are split); False: at every call.
+        kwargs_handlers: at most one each of InitProcessGroupKwargs,
+            DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs, ProfileKwargs.
+        dynamo_backend: the torch.compile backend prepared models are compiled with; not
+            with `dynamo_plugin`.
+        dynamo_plugin: a TorchDynamoPlugin for torch.compile; None: one with `dynamo_backend`.
+        deepspeed_plugins: must be None, as `deepspeed_plugin` (it takes its place if given).
+        parallelism_config: a ParallelismConfig giving the shape of the FSDP mesh.
+        even_batches: overrides `dataloader_config.even_batches` when not None (keyword only).
+
+    Raises:
+        ValueError: for bad or doubly given gradient accumulation settings.
+        ConfigurationError: for a plugin mpaccel does not drive, both dynamo arguments, an
+            unknown tracker or kwargs handler, an unknown mixed precision.
     """
 
     def __init__(
@@ -216,58 +256,72 @@ class Accelerator:
 
     @property
     def device(self) -> torch.device:
+        """Not collective. The torch.device this process computes on."""
         return self.state.device
 
     @property
     def distributed_type(self) -> DistributedType:
+        """Not collective. The kind of set-up: a DistributedType (NO, MULTI_CPU, FSDP, ...)."""
         return self.state.distributed_type
 
     @property
     def num_processes(self) -> int:
+        """Not collective. How many processes the job has."""
         return self._partial.num_processes
 
     @property
     def process_index(self) -> int:
+        """Not collective. This process's global index (its rank)."""
         return self._partial.process_index
 
     @property
     def local_process_index(self) -> int:
+        """Not collective. This process's index on its node."""
         return self._partial.local_process_index
 
     @property
     def num_nodes(self) -> int:
+        """Not collective. How many nodes the job runs on."""
         return self._partial.num_nodes
 
     @property
     def node_index(self) -> int:
+        """Not collective. The index of this process's node."""
         return self._partial.node_index
 
     @property
     def use_distributed(self) -> bool:
+        """Not collective. Whether the job has more than one process."""
         return self._partial.use_distributed
 
     @property
     def is_main_process(self) -> bool:
+        """Not collective. Whether this is the process of global index 0."""
         return self._partial.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
+        """Not collective. Whether this is the process of index 0 on its node."""
         return self._partial.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
+        """Not collective. Whether this is the process of the highest global index."""
         return self._partial.is_last_process
 
     @property
     def mixed_precision(self) -> str:
+        """Not collective. The mixed precision in use: "no", "fp16" or "bf16"."""
         return self.state.mixed_precision
 
     @property
     def split_batches(self) -> bool:
+        """Not collective. dataloader_config's split_batches."""
         return self.dataloader_config.split_batches
 
     @property
     def even_batches(self) -> bool:
+        """Not collective. dataloader_config's even_batches (set: for loaders prepared later)."""
         return self.dataloader_config.even_batches
 
     @even_batches.setter
@@ -276,14 +330,17 @@ class Accelerator:
 
     @property
     def project_dir(self) -> str | None:
+        """Not collective. The ProjectConfiguration's project directory, None without one."""
         return self.project_configuration.project_dir
 
     @property
     def logging_dir(self) -> str | None:
+        """Not collective. The ProjectConfiguration's logging directory, None without one."""
         return self.project_configuration.logging_dir
 
     @property
     def sync_gradients(self) -> bool:
+        """Not collective. Whether this micro-batch synchronises gradients (settable)."""
         return self.gradient_state.sync_gradients
 
     @sync_gradients.setter
@@ -292,6 +349,7 @@ class Accelerator:
 
     @property
     def gradient_accumulation_steps(self) -> int:
+        """Not collective. Micro-batches per optimizer step (settable)."""
         return self.gradient_state.num_steps
 
     @gradient_accumulation_steps.setter
@@ -300,37 +358,42 @@ class Accelerator:
 
     @property
     def dispatch_batches(self) -> Any:
+        """Not collective. dataloader_config's dispatch_batches (None: its default)."""
         return getattr(self.dataloader_config, "dispatch_batches", None)
 
     @property
     def use_stateful_dataloader(self) -> bool:
+        """Not collective. dataloader_config's use_stateful_dataloader."""
         return bool(getattr(self.dataloader_config, "use_stateful_dataloader", False))
 
     @property
     def use_seedable_sampler(self) -> bool:
+        """Not collective. dataloader_config's use_seedable_sampler."""
         return self.dataloader_config.use_seedable_sampler
 
     @property
     def non_blocking(self) -> bool:
+        """Not collective. dataloader_config's non_blocking."""
         return self.dataloader_config.non_blocking
 
     @property
     def multi_device(self) -> bool:
-        """Several processes on accelerators (GPUs), as Accelerate: False on CPU."""
+        """Not collective. Several processes on accelerators (GPUs), as Accelerate: False on
+        CPU."""
         return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
 
     @property
     def should_save_model(self) -> bool:
-        """Whether this process writes the model where only some do: each node's local main
-        process, as Accelerate's without a ParallelismConfig."""
+        """Not collective. Whether this process writes the model where only some do: each
+        node's local main process, as Accelerate's without a ParallelismConfig."""
         return self.is_local_main_process
 
     # -- the parallel layout (the strategy's) ---------------------------------------------------
 
     @property
     def strategy(self) -> Strategy:
-        """How models are parallelised (mpaccel.strategy), picked once by AcceleratorState: the
-        Accelerator asks it, never which one it is."""
+        """Not collective. How models are parallelised (mpaccel.strategy), picked once by
+        AcceleratorState: the Accelerator asks it, never which one it is."""
         return self.state.strategy
 
     def _mesh_rank(self, dim: str, what: str) -> int:
@@ -347,45 +410,53 @@ class Accelerator:
 
     @property
     def is_fsdp2(self) -> bool:
+        """Not collective. Whether models are fully sharded (mpaccel's FSDP is always FSDP2)."""
         return self.state.is_fsdp2
 
     @property
     def deepspeed_plugin(self) -> Any:
+        """Not collective. Always None: mpaccel does not drive DeepSpeed."""
         return None
 
     @property
     def parallelism_config(self) -> Any:
+        """Not collective. The ParallelismConfig given to the Accelerator, or None."""
         return self.state.parallelism_config
 
     @property
     def torch_device_mesh(self) -> Any:
+        """Not collective. The device mesh FSDP shards over; None without FSDP."""
         return self.state.device_mesh
 
     @property
     def is_composable_parallelism_enabled(self) -> bool:
+        """Not collective. Always False (Accelerate's flag for its TP/CP mix)."""
         return False
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's replica index (mesh dimension 'dp_replicate'): 0 where the
-        ParallelismConfig has dp_replicate_size 1. RuntimeError without a ParallelismConfig."""
+        """Not collective. This rank's replica index (mesh dimension 'dp_replicate'): 0 where
+        the ParallelismConfig has dp_replicate_size 1. RuntimeError without a
+        ParallelismConfig."""
         return self._mesh_rank("dp_replicate", "data parallelism")
 
     @property
     def data_parallel_shard_rank(self) -> int:
-        """This rank's index in its shard group (mesh dimension 'dp_shard'): 0 where the
-        ParallelismConfig has dp_shard_size 1. RuntimeError without a ParallelismConfig."""
+        """Not collective. This rank's index in its shard group (mesh dimension 'dp_shard'): 0
+        where the ParallelismConfig has dp_shard_size 1. RuntimeError without a
+        ParallelismConfig."""
         return self._mesh_rank("dp_shard", "shard-based data parallelism")
 
     @property
     def tensor_parallel_rank(self) -> int:
-        """0 with a ParallelismConfig (mpaccel drives no tensor parallelism: every rank holds
-        the same slice); RuntimeError without one, as Accelerate's."""
+        """Not collective. 0 with a ParallelismConfig (mpaccel drives no tensor parallelism:
+        every rank holds the same slice); RuntimeError without one, as Accelerate's."""
         return self._mesh_rank("tp", "tensor parallelism")
 
     @property
     def context_parallel_rank(self) -> int:
-        """NotImplementedError, as Accelerate's: there is no context parallelism."""
+        """Not collective. NotImplementedError, as Accelerate's: there is no context
+        parallelism."""
         raise NotImplementedError(with_hint(
             "context parallelism is not supported (in Accelerate neither)",
             "split long sequences yourself; ParallelismConfig's cp_size must be 1.",
@@ -393,7 +464,8 @@ class Accelerator:
 
     @property
     def pipeline_parallel_rank(self) -> int:
-        """NotImplementedError, as Accelerate's: there is no pipeline parallelism."""
+        """Not collective. NotImplementedError, as Accelerate's: there is no pipeline
+        parallelism."""
         raise NotImplementedError(with_hint(
             "pipeline parallelism is not supported (in Accelerate neither)",
             "shard the model with an fsdp_plugin instead of splitting it into stages.",
@@ -406,8 +478,15 @@ class Accelerator:
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[Any] | None = None,
     ) -> Iterator[None]:
-        """No effect, as Accelerate's without context parallelism (cp_size 1, the only size
-        mpaccel takes): the buffers stay whole. Warns once per process, as Accelerate's."""
+        """Not collective. No effect, as Accelerate's without context parallelism (cp_size 1,
+        the only size mpaccel takes): the buffers stay whole. Warns once per process, as
+        Accelerate's.
+
+        Args:
+            buffers: accepted and ignored (Accelerate's tensors to split by sequence).
+            buffer_seq_dims: accepted and ignored (their sequence dimensions).
+            no_restore_buffers: accepted and ignored (buffers not restored after the block).
+        """
         del buffers, buffer_seq_dims, no_restore_buffers
         global _warned_no_context_parallel
         if not _warned_no_context_parallel:
@@ -424,7 +503,14 @@ class Accelerator:
     # -- process control (delegated) ------------------------------------------------------------
 
     def wait_for_everyone(self, timeout: float | timedelta | None = None) -> None:
-        """Collective: see PartialState.wait_for_everyone."""
+        """Collective: every rank must call it; returns once all have (PartialState's).
+
+        Args:
+            timeout: how long to wait, in seconds or as a timedelta; None: the state's.
+
+        Raises:
+            CollectiveTimeoutError: after `timeout`, naming the ranks that never arrived.
+        """
         self._partial.wait_for_everyone(timeout)
 
     @contextmanager
@@ -441,26 +527,72 @@ class Accelerator:
 
     @contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """See PartialState.split_between_processes."""
+        """Not collective. A context manager yielding this process's contiguous share of
+        `inputs` (PartialState's): shares differ by at most one item.
+
+        Args:
+            inputs: a list, tuple, tensor, numpy array or datasets.Dataset, or a dict of
+                those whose leaves have one length.
+            apply_padding: fill shorter shares up with the last item, so every process
+                holds as many (drop the extras after gathering).
+
+        Raises:
+            ValueError: for a dict whose leaves differ in length.
+        """
         with self._partial.split_between_processes(inputs, apply_padding) as share:
             yield share
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """print() once per node (on each local main process)."""
+        """Not collective. print() once per node (on each local main process).
+
+        Args:
+            *args: what print() prints.
+            **kwargs: print()'s keywords (sep=, end=, file=, flush=).
+        """
         self._partial.print(*args, **kwargs)
 
     def on_main_process(self, function: Callable | None = None) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function
+        runs on the main process only; elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate.
+        """
         return self._partial.on_main_process(function)
 
     def on_local_main_process(self, function: Callable | None = None) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function
+        runs on each node's local main process only; elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate.
+        """
         return self._partial.on_local_main_process(function)
 
     def on_last_process(self, function: Callable | None = None) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function
+        runs on the last process only; elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate.
+        """
         return self._partial.on_last_process(function)
 
     def on_process(
         self, function: Callable | None = None, process_index: int | None = None
     ) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function
+        runs on the process of global index `process_index` (in a job of one process,
+        whatever the index); elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate; or the index itself, as in
+                `@accelerator.on_process(1)`; or None, with the index as a keyword.
+            process_index: the global index of the process that runs it.
+
+        Raises:
+            ConfigurationError: without an index, or with one that is not an int >= 0.
+        """
         return self._partial.on_process(function, process_index)
 
     def on_local_process(
@@ -470,6 +602,19 @@ class Accelerator:
         *,
         local_process_idx: int | None = None,
     ) -> Callable:
+        """Not collective (the process is checked at each call). Decorator: the function
+        runs on the process of this local index on every node (in a job of one process,
+        whatever the index); elsewhere the call returns None.
+
+        Args:
+            function: the function to decorate; or the index itself; or None, with the
+                index as a keyword.
+            local_process_index: the index, on its node, of the process that runs it.
+            local_process_idx: the same, under the name Accelerate's guides use.
+
+        Raises:
+            ConfigurationError: without an index, or with one that is not an int >= 0.
+        """
         return self._partial.on_local_process(
             function, local_process_index, local_process_idx=local_process_idx
         )
@@ -489,6 +634,12 @@ class Accelerator:
         return False
 
     def destroy_process_group(self, group: Any = None) -> None:
+        """Not collective (it waits for no other rank), though every rank of the group should
+        call it before it exits. Destroys the process group; a no-op when there is none.
+
+        Args:
+            group: the torch.distributed group to destroy; None: the default group.
+        """
         self._partial.destroy_process_group(group)
 
     # -- experiment trackers (main process only; see mpaccel.tracking) ------------------------
@@ -499,10 +650,19 @@ class Accelerator:
         config: dict[str, Any] | None = None,
         init_kwargs: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        """Start the trackers of `log_with` on the main process and record `config` there
-        (hyperparameters); `init_kwargs={"wandb": {...}}` go to each tracker's constructor.
-        Not collective. Called on every rank, each checks that the trackers writing files
-        have a logging directory, so that all raise alike; the others then do nothing."""
+        """Not collective. Start the trackers of `log_with` on the main process and record
+        `config` there. Called on every rank, each checks that the trackers writing files
+        have a logging directory, so that all raise alike; the others then do nothing.
+
+        Args:
+            project_name: the run's project name, given to every tracker.
+            config: hyperparameters each tracker records; None: none.
+            init_kwargs: keywords for each tracker's constructor, by tracker name
+                (`{"wandb": {...}}`).
+
+        Raises:
+            ConfigurationError: a tracker writing files has no logging directory.
+        """
         tracking.check_logging_dir(self.log_with, self.logging_dir)
         if not self.is_main_process:
             return
@@ -514,9 +674,17 @@ class Accelerator:
                 tracker.store_init_configuration(config)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The running tracker called `name` (its library's object if `unwrap`). Where no
-        tracker runs (the other processes, or none started), a blank tracker whose methods do
-        nothing, as in Accelerate, so the same code runs on every rank."""
+        """Not collective. The running tracker called `name`. Where no tracker runs (the
+        other processes, or none started), a blank tracker whose methods do nothing, as in
+        Accelerate, so the same code runs on every rank.
+
+        Args:
+            name: the tracker's name ("tensorboard", "wandb", ...).
+            unwrap: return its library's object (the wandb run, ...) instead of mpaccel's.
+
+        Raises:
+            ConfigurationError: trackers run here but none is called `name`.
+        """
         for tracker in self.trackers:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
@@ -533,7 +701,14 @@ class Accelerator:
         step: int | None = None,
         log_kwargs: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        """Record `values` at `step` with every tracker (main process only; not collective)."""
+        """Not collective. Record `values` with every running tracker (the main process's;
+        elsewhere nothing runs and nothing happens).
+
+        Args:
+            values: the metrics, by name.
+            step: the step they belong to; None: the trackers' own counting.
+            log_kwargs: further keywords for each tracker's log(), by tracker name.
+        """
         for tracker in self.trackers:
             tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
@@ -553,7 +728,19 @@ class Accelerator:
         parameters broadcast from rank 0), optimizers and schedulers aware of accumulation,
         dataloaders sharded across ranks. Anything else is returned as it is. With an FSDP plugin
         the models are fully sharded instead, and the optimizers passed with them re-pointed at
-        the shards (pass each model with its optimizer, as Accelerate requires for FSDP2)."""
+        the shards (pass each model with its optimizer, as Accelerate requires for FSDP2).
+
+        Args:
+            *args: the objects to prepare.
+            device_placement: one flag per object, whether to move it to the device; None:
+                the Accelerator's `device_placement` for all.
+
+        Returns:
+            The prepared object, or a tuple of them for several.
+
+        Raises:
+            ConfigurationError: `device_placement` does not have one entry per object.
+        """
         if device_placement is None:
             device_placement = [self.device_placement] * len(args)
         elif len(device_placement) != len(args):
@@ -594,7 +781,14 @@ class Accelerator:
         With a dynamo backend (Accelerator(dynamo_backend=...) or dynamo_plugin=), the model
         returned is torch.compile's wrapper around it, made last, as Accelerate does; with
         TorchDynamoPlugin(use_regional_compilation=True), compile_regions' copy of it (each
-        repeated block compiled on its own, sharing the parameters)."""
+        repeated block compiled on its own, sharing the parameters).
+
+        Args:
+            model: the model to prepare.
+            device_placement: move it to the device; None: the Accelerator's setting.
+            evaluation_mode: leave out the DDP wrapper (for inference); under FSDP the
+                model is sharded all the same.
+        """
         inner = self.unwrap_model(model, keep_torch_compile=False)
         for prepared in self._models:
             if inner is self.unwrap_model(prepared, keep_torch_compile=False):
@@ -623,7 +817,13 @@ class Accelerator:
     ) -> AcceleratedOptimizer:
         """Not collective. The optimizer, aware of gradient accumulation and fp16 loss scaling;
         with device placement (the Accelerator's by default) its state tensors (a loaded
-        state_dict's, say) move to the device, as Accelerate's."""
+        state_dict's, say) move to the device, as Accelerate's. One prepared already is
+        returned as it is.
+
+        Args:
+            optimizer: the optimizer to prepare.
+            device_placement: move its state to the device; None: the Accelerator's setting.
+        """
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         if device_placement if device_placement is not None else self.device_placement:
@@ -633,6 +833,13 @@ class Accelerator:
         return wrapped
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Not collective. The scheduler, stepping as `step_scheduler_with_optimizer` says,
+        with the prepared optimizer it drives (all prepared ones if none matches). One
+        prepared already is returned as it is.
+
+        Args:
+            scheduler: an LR scheduler (anything with step(), optimizer and get_last_lr()).
+        """
         if isinstance(scheduler, AcceleratedScheduler):
             return scheduler
         optimizers = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
@@ -656,7 +863,16 @@ class Accelerator:
         """Collective the first time (the shuffling seed is agreed over MPI, unless
         `dataloader_config.data_seed` is set). The loader is prepared as
         `dataloader_config` says, read at this call; `slice_fn_for_dispatch` cuts global batches
-        when they are dispatched. A loader prepared already is returned as it is."""
+        when they are dispatched. A loader prepared already is returned as it is.
+
+        Args:
+            data_loader: the DataLoader to shard over the data-parallel ranks.
+            device_placement: move its batches to the device; None: the Accelerator's
+                setting.
+            slice_fn_for_dispatch: with dispatch_batches, how rank 0 cuts a global batch
+                into the ranks' parts, called as `fn(batch, slice, process_index=,
+                num_processes=)`; None: every tensor sliced.
+        """
         if issubclass(type(data_loader), PreparedLoader):  # isinstance would say DataLoader too
             return data_loader
         config = self.dataloader_config
@@ -698,7 +914,13 @@ class Accelerator:
         instead of leaving them hanging. `even_batches` overrides the prepared map-style
         loaders' setting inside the block (False: no repeated samples, uneven batches); Join
         is enabled only when batches are uneven. Does nothing in a world of one, and warns
-        (UserWarning) and does nothing for set-ups other than DDP on CPUs or GPUs."""
+        (UserWarning) and does nothing for set-ups other than DDP on CPUs or GPUs.
+
+        Args:
+            joinables: the DDP models (or other torch Joinables) to join.
+            even_batches: the prepared map-style loaders' even_batches inside the block;
+                None: the Accelerator's setting, unchanged.
+        """
         if not self.strategy.joins_uneven_inputs(self.distributed_type):
             if self.distributed_type != DistributedType.NO:
                 warnings.warn(
@@ -742,8 +964,14 @@ class Accelerator:
                 sharding.even_batches = value
 
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> Any:
-        """A prepared loader: the same one, whose next pass starts after `num_batches` batches.
-        Any other DataLoader: a new one that leaves them out on every pass (as Accelerate's)."""
+        """Not collective. A prepared loader: the same one, whose next pass starts after
+        `num_batches` batches. Any other DataLoader: a new one that leaves them out on every
+        pass (as Accelerate's).
+
+        Args:
+            dataloader: the loader to skip in.
+            num_batches: how many batches to skip.
+        """
         return skip_first_batches(dataloader, num_batches)
 
     # -- the training step -----------------------------------------------------------------------
@@ -760,7 +988,11 @@ class Accelerator:
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """Not collective. One micro-batch: decides whether this step synchronises gradients
         (every `gradient_accumulation_steps`, and at the end of the dataloader) and, when it
-        does not, suppresses DDP's all-reduce in backward."""
+        does not, suppresses DDP's all-reduce in backward.
+
+        Args:
+            *models: the prepared models whose gradient synchronisation it suppresses.
+        """
         self._do_sync()
         each_batch = self.use_distributed and self.gradient_state.sync_each_batch
         allow = self.sync_gradients or each_batch
@@ -771,18 +1003,27 @@ class Accelerator:
 
     @contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
-        """Gradients computed in this block are not all-reduced (DDP, compiled or not) nor
-        reduce-scattered (FSDP: each rank accumulates whole gradients until the next
-        synchronising backward); a no-op otherwise."""
+        """Not collective. Gradients computed in this block are not all-reduced (DDP,
+        compiled or not) nor reduce-scattered (FSDP: each rank accumulates whole gradients
+        until the next synchronising backward); a no-op otherwise.
+
+        Args:
+            model: the prepared model.
+        """
         with self.strategy.no_sync(model):
             yield
 
     @staticmethod
     @contextmanager
     def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
-        """The backward of this block all-reduces the gradients, even inside no_sync() (DDP
-        only; a no-op otherwise): for a last micro-batch whose forward ran under no_sync, as in
-        Accelerate. Relies on DDP internals, as Accelerate's does."""
+        """Not collective itself (the backward in it is, under DDP). The backward of this
+        block all-reduces the gradients, even inside no_sync() (DDP only; a no-op otherwise):
+        for a last micro-batch whose forward ran under no_sync, as in Accelerate. Relies on
+        DDP internals, as Accelerate's does.
+
+        Args:
+            model: the prepared model.
+        """
         ddp: Any = distributed.ddp_of(model)
         if ddp is None:
             yield
@@ -797,15 +1038,30 @@ class Accelerator:
             ddp.require_backward_grad_sync, ddp.require_forward_param_sync = saved
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """loss.backward(), divided by the accumulation steps and scaled for fp16. With DDP, the
-        gradients are all-reduced here on synchronising steps."""
+        """Collective under DDP or FSDP on synchronising steps (the gradients are reduced
+        here), else not. loss.backward(), divided by the accumulation steps and scaled for
+        fp16.
+
+        Args:
+            loss: the loss tensor.
+            **kwargs: passed to loss.backward() (retain_graph=, ...).
+        """
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward(**kwargs)
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
-        """fp16: divide gradients by the loss scale (done for you before clipping)."""
+        """Not collective. fp16: divide gradients by the loss scale (done for you before
+        clipping), once per step; a no-op without a grad scaler.
+
+        Args:
+            optimizer: a prepared optimizer or a list of them; None: all prepared ones.
+
+        Raises:
+            ConfigurationError: with fp16, on a micro-batch that accumulates (unscale once
+                per optimizer step: `if accelerator.sync_gradients:`).
+        """
         targets = (
             self._optimizers
             if optimizer is None
@@ -818,21 +1074,46 @@ class Accelerator:
     def clip_grad_norm_(
         self, parameters: Any, max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
-        """Clip the gradients' total norm (after fp16 unscaling); returns the total norm before
-        clipping. After DDP's all-reduce the gradients, and so the norm, agree on every rank.
-        Under FSDP, collective: the norm is the whole model's, reduced over the shards."""
+        """Collective under FSDP (the norm is the whole model's, reduced over the shards), else
+        not. Clip the gradients' total norm (after fp16 unscaling); returns the total norm
+        before clipping. After DDP's all-reduce the gradients, and so the norm, agree on every
+        rank.
+
+        Args:
+            parameters: the parameters (an iterable, or one tensor) whose gradients to clip.
+            max_norm: the largest total norm allowed.
+            norm_type: the p of the p-norm (inf for the largest element).
+
+        Raises:
+            ConfigurationError: with fp16, on a micro-batch that accumulates (unscale once
+                per optimizer step: `if accelerator.sync_gradients:`).
+        """
         self.unscale_gradients()
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clamp every gradient element to [-clip_value, clip_value] (after fp16 unscaling)."""
+        """Not collective. Clamp every gradient element to [-clip_value, clip_value] (after
+        fp16 unscaling).
+
+        Args:
+            parameters: the parameters (an iterable, or one tensor) whose gradients to clip.
+            clip_value: the largest absolute value a gradient element keeps.
+
+        Raises:
+            ConfigurationError: with fp16, on a micro-batch that accumulates (unscale once
+                per optimizer step: `if accelerator.sync_gradients:`).
+        """
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     @contextmanager
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
-        """Run the block in the configured mixed precision (prepared models already do), with
-        `autocast_handler`'s options if given, else those of kwargs_handlers' AutocastKwargs."""
+        """Not collective. Run the block in the configured mixed precision (prepared models
+        already do).
+
+        Args:
+            autocast_handler: the AutocastKwargs to use; None: kwargs_handlers' one, if any.
+        """
         options = self._autocast_options(autocast_handler)
         with autocast_context(self.mixed_precision, self.device, options):
             yield
@@ -847,7 +1128,11 @@ class Accelerator:
         the ProfileKwargs of kwargs_handlers, else torch's defaults; yields the profiler (call
         its step() per iteration when a schedule is set). Each rank profiles itself; with
         output_trace_dir, each writes its Chrome trace there, named by Accelerate's
-        PROFILE_PATTERN_NAME with its rank (profile_<rank>.json)."""
+        PROFILE_PATTERN_NAME with its rank (profile_<rank>.json).
+
+        Args:
+            profile_handler: the ProfileKwargs to use; None: kwargs_handlers' one, if any.
+        """
         from .utils import constants  # read when called: the one definition of the name
 
         handler = profile_handler or self.profile_handler or ProfileKwargs()
@@ -861,21 +1146,33 @@ class Accelerator:
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """fp16: the last optimizer step was skipped because gradients overflowed."""
+        """Not collective. fp16: the last optimizer step was skipped because gradients
+        overflowed."""
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     # -- collective operations on tensors --------------------------------------------------------
 
     def gather(self, tensor: Any) -> Any:
         """Collective: every rank's tensors (nested lists/tuples/dicts) concatenated along the
-        first dimension in rank order; the first dimension may differ across ranks."""
+        first dimension in rank order; the first dimension may differ across ranks.
+
+        Args:
+            tensor: a tensor, or nested lists, tuples and dicts of tensors, of the same
+                structure on every rank.
+        """
         return ops.gather(self._partial.comm, tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Collective: gather(), minus the samples even_batches repeated in the last batch, so
         metrics see each sample of the dataset exactly once. Data with any leaf that is not a
         tensor goes, whole, through gather_object (a flat list: the last batch is cut down to
-        its real samples)."""
+        its real samples).
+
+        Args:
+            input_data: this rank's predictions or labels: tensors (nested or not), or any
+                picklable data.
+            use_gather_object: gather as Python objects even when every leaf is a tensor.
+        """
         use_gather_object = use_gather_object or not ops.only_tensors(input_data)
         if use_gather_object:
             data = ops.gather_object(self._partial.comm, input_data)
@@ -887,13 +1184,31 @@ class Accelerator:
         return data[: state.remainder] if use_gather_object else ops.truncate(data, state.remainder)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Collective: element-wise 'sum', 'mean', 'max' or 'min' over ranks."""
+        """Collective: element-wise 'sum', 'mean', 'max' or 'min' over ranks, as new tensors.
+
+        Args:
+            tensor: a tensor, or nested lists, tuples and dicts of tensors, of the same
+                structure, dtypes and shapes on every rank.
+            reduction: "sum", "mean", "max" or "min"; "none" returns `tensor` as it is.
+            scale: a factor every reduced tensor is multiplied by.
+
+        Raises:
+            ConfigurationError: for another `reduction`.
+        """
         return ops.reduce(self._partial.comm, tensor, reduction, scale)
 
     def pad_across_processes(
         self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
     ) -> Any:
-        """Collective: pad along `dim` to the largest size on any rank."""
+        """Collective: pad along `dim` to the largest size on any rank.
+
+        Args:
+            tensor: a tensor, or nested lists, tuples and dicts of tensors, of the same
+                structure, number of dimensions and dtypes on every rank.
+            dim: the dimension to pad (negative counts from the end).
+            pad_index: the value the new entries hold.
+            pad_first: put the padding before the data instead of after it.
+        """
         return ops.pad_across_processes(self._partial.comm, tensor, dim, pad_index, pad_first)
 
     # -- models and memory -----------------------------------------------------------------------
@@ -904,10 +1219,16 @@ class Accelerator:
         keep_fp32_wrapper: bool = True,
         keep_torch_compile: bool = True,
     ) -> Any:
-        """The user's model without DDP (and, with keep_fp32_wrapper=False, without autocast).
-        A compiled model comes back compiled (around the unwrapped module) unless
-        keep_torch_compile=False. Under FSDP, the sharded model itself (whose transformers
-        `save_pretrained`, called on every rank, writes whole tensors)."""
+        """Not collective. The user's model without DDP. Under FSDP, the sharded model itself
+        (whose transformers `save_pretrained`, called on every rank, writes whole tensors).
+
+        Args:
+            model: a prepared model (or any module).
+            keep_fp32_wrapper: keep the mixed-precision autocast around its forward; False
+                removes it.
+            keep_torch_compile: a compiled model comes back compiled (around the unwrapped
+                module); False: the module inside.
+        """
         return training.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(
@@ -917,14 +1238,21 @@ class Accelerator:
         default: no `module.` prefix from DDP, nor `_orig_mod.` from torch.compile), as
         Accelerate's, to save it or hand it to another library. A fully sharded model's is
         gathered into whole CPU tensors: on rank 0 only (the others get {}), as Accelerate's,
-        or with `all_ranks=True` on every rank."""
+        or with `all_ranks=True` on every rank.
+
+        Args:
+            model: a prepared model.
+            unwrap: take the unwrapped model's state_dict; False: the prepared one's.
+            all_ranks: under FSDP, give the gathered state_dict on every rank (keyword only).
+        """
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
         return self.strategy.full_state_dict(model, everywhere=all_ranks)
 
     @property
     def has_lomo_optimizer(self) -> bool:
-        """Whether a LOMO optimizer (lomo-optim's Lomo or AdaLomo) was prepared."""
+        """Not collective. Whether a LOMO optimizer (lomo-optim's Lomo or AdaLomo) was
+        prepared."""
         return any(
             type(opt.optimizer).__module__.partition(".")[0] == "lomo_optim"
             for opt in self._optimizers
@@ -932,18 +1260,35 @@ class Accelerator:
 
     @refused(*_LOMO_REFUSED)
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
-        """Refused: mpaccel does not run LOMO optimizers' fused backward."""
+        """Not collective. Refused: mpaccel does not run LOMO optimizers' fused backward.
+
+        Args:
+            loss: accepted and ignored.
+            learning_rate: accepted and ignored.
+
+        Raises:
+            ConfigurationError: always.
+        """
         del loss, learning_rate
         raise ConfigurationError(*_LOMO_REFUSED)
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
-        """True if a submodule was dispatched over several devices (`hf_device_map`, from
-        `from_pretrained(device_map=...)`): such a model cannot be trained data-parallel."""
+        """Not collective. True if a submodule was dispatched over several devices
+        (`hf_device_map`, from `from_pretrained(device_map=...)`): such a model cannot be
+        trained data-parallel.
+
+        Args:
+            model: the model to look at.
+        """
         return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
 
     def free_memory(self, *objects: Any) -> list[Any]:
-        """Drop mpaccel's references to prepared objects and release cached memory; returns
-        `objects` replaced by None (`a, b = accelerator.free_memory(a, b)`)."""
+        """Not collective. Drop mpaccel's references to prepared objects and release cached
+        memory; returns `objects` replaced by None (`a, b = accelerator.free_memory(a, b)`).
+
+        Args:
+            *objects: the objects to let go of (rebind the caller's names to the result).
+        """
         self._models.clear()
         self._optimizers.clear()
         self._schedulers.clear()
@@ -952,13 +1297,28 @@ class Accelerator:
         return release_memory(*objects)
 
     def clear(self, *objects: Any) -> list[Any]:
+        """Not collective. free_memory(), under its other name.
+
+        Args:
+            *objects: the objects to let go of (rebind the caller's names to the result).
+        """
         return self.free_memory(*objects)
 
     def __repr__(self) -> str:
         return f"Accelerator(\n{self.state!r})"
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-        """torch.save (or safetensors) on the main process only; others do nothing."""
+        """Not collective. torch.save (or safetensors) on the main process only; others do
+        nothing.
+
+        Args:
+            obj: what to save (a dict of tensors with `safe_serialization`).
+            f: the file name or file object to write.
+            safe_serialization: write with safetensors' save_file instead of torch.save.
+
+        Raises:
+            ConfigurationError: `safe_serialization` without the safetensors package.
+        """
         if not self.is_main_process:
             return
         if safe_serialization:
@@ -991,14 +1351,29 @@ class Accelerator:
         layout; with `safe_serialization=False` as mpaccel's HDF5 shards + `model.index.json`
         (never a pickle; read back with `mpaccel.checkpoint.load_model_state(dir)`). Under FSDP
         every rank must call it: each writes its own rows of the full tensors into the same
-        files, at their offsets (no rank gathers a tensor)."""
+        files, at their offsets (no rank gathers a tensor).
+
+        Args:
+            model: a prepared model (it is unwrapped first).
+            save_directory: the directory to write into.
+            max_shard_size: the largest shard, in bytes or as a string ("10GB", "500MB").
+            safe_serialization: safetensors files; False: mpaccel's HDF5 shards.
+        """
         checkpoint.save_model(
             self._partial.comm, self.unwrap_model(model), save_directory, max_shard_size,
             safe_serialization=safe_serialization,
         )
 
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with state_dict()/load_state_dict() in save_state/load_state."""
+        """Not collective (every rank should register alike). Include objects with
+        state_dict()/load_state_dict() in save_state/load_state.
+
+        Args:
+            *objects: the objects, in the order their entries are saved and loaded.
+
+        Raises:
+            TypeError: an object lacks state_dict() or load_state_dict().
+        """
         bad = [
             o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
         ]
@@ -1010,21 +1385,31 @@ class Accelerator:
         self._custom_objects.extend(objects)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call `hook(models, weights, output_dir)` in save_state() before anything is written,
-        on every rank, in the order registered: `models` are the prepared models, `weights`
-        their state_dicts (as prepared: with DDP's `module.` prefix), `output_dir` the
-        checkpoint's directory (created). A hook that saves a model its own way removes its
-        entry from `weights` (`weights.pop()`): that model is then left out of the checkpoint
-        (its hook must load it: register_load_state_pre_hook). Returns a handle whose
-        remove() unregisters the hook."""
+        """Not collective (every rank should register alike). Call `hook(models, weights,
+        output_dir)` in save_state() before anything is written, on every rank, in the order
+        registered: `models` are the prepared models, `weights` their state_dicts (as
+        prepared: with DDP's `module.` prefix), `output_dir` the checkpoint's directory
+        (created). A hook that saves a model its own way removes its entry from `weights`
+        (`weights.pop()`): that model is then left out of the checkpoint (its hook must load
+        it: register_load_state_pre_hook). Returns a handle whose remove() unregisters the
+        hook.
+
+        Args:
+            hook: the function to call, as above.
+        """
         handle = RemovableHandle(self._save_model_state_pre_hook)
         self._save_model_state_pre_hook[handle.id] = hook
         return handle
 
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call `hook(models, input_dir)` in load_state() before anything is read, on every
-        rank, in the order registered: a hook that loads a model its own way removes it from
-        `models`, which load_state() then leaves alone. Returns a removable handle."""
+        """Not collective (every rank should register alike). Call `hook(models, input_dir)`
+        in load_state() before anything is read, on every rank, in the order registered: a
+        hook that loads a model its own way removes it from `models`, which load_state() then
+        leaves alone. Returns a removable handle.
+
+        Args:
+            hook: the function to call, as above.
+        """
         handle = RemovableHandle(self._load_model_state_pre_hook)
         self._load_model_state_pre_hook[handle.id] = hook
         return handle
@@ -1092,7 +1477,19 @@ class Accelerator:
         see wait_for_checkpoint(). Returns the directory. HDF5 holds no pickles, so
         `safe_serialization` (Accelerate's choice of safetensors over pickle) is always
         honoured; `save_model_func_kwargs` (Accelerate passes them to DeepSpeed) are ignored.
-        Hooks of register_save_state_pre_hook run first."""
+        Hooks of register_save_state_pre_hook run first.
+
+        Args:
+            output_dir: the checkpoint's directory, needed without automatic naming; with
+                automatic_checkpoint_naming it is not used (the directory is named for you).
+            safe_serialization: accepted and ignored (no pickles are written either way).
+            async_save: write in the background after a snapshot (keyword only).
+            **save_model_func_kwargs: accepted and ignored.
+
+        Raises:
+            CheckpointError: no `output_dir` without automatic naming, or automatic naming
+                would write below the newest checkpoint there.
+        """
         del safe_serialization, save_model_func_kwargs
         # Saved mid-accumulation: each rank's gradients summed so far are part of the state.
         gradients = not self.sync_gradients
@@ -1145,7 +1542,16 @@ class Accelerator:
 
         `load_model_func_kwargs` go to the models' load_state_dict (`strict=False`: keys may
         be missing or extra; `assign`). `load_kwargs` (Accelerate's options for torch.load) is
-        accepted and has nothing to act on. Hooks of register_load_state_pre_hook run first."""
+        accepted and has nothing to act on. Hooks of register_load_state_pre_hook run first.
+
+        Args:
+            input_dir: the checkpoint's directory; None: the latest complete one under
+                automatic naming.
+            load_kwargs: accepted and ignored.
+            allow_pickle: load an Accelerate checkpoint's pickles (keyword only); None:
+                MPACCEL_ALLOW_PICKLE decides.
+            **load_model_func_kwargs: passed to the models' load_state_dict (strict=, assign=).
+        """
         del load_kwargs
 
         def run_hooks(comm: Any, directory: str | None) -> checkpoint.TrainingState:
@@ -1182,7 +1588,12 @@ class Accelerator:
     ) -> None:
         """Not collective. From now on SIGUSR1/SIGTERM (Slurm's --signal, preemption, the
         wall-time limit) are only recorded; the loop then asks should_stop() at step
-        boundaries and calls checkpoint_and_exit(). `requeue`: put the job back in the queue."""
+        boundaries and calls checkpoint_and_exit(). Calling it again replaces the handlers.
+
+        Args:
+            signals: the signals to record (SIGUSR1 and SIGTERM by default).
+            requeue: checkpoint_and_exit() puts the Slurm job back in the queue.
+        """
         if self._preemption is not None:
             self._preemption.uninstall()
         self._preemption = preemption.Preemption(signals, requeue)
@@ -1199,12 +1610,18 @@ class Accelerator:
 
     @property
     def preempted(self) -> str | None:
-        """The signal that stopped the job ('SIGUSR1', ...), None if none arrived here."""
+        """Not collective. The signal that stopped the job ('SIGUSR1', ...), None if none
+        arrived here."""
         return None if self._preemption is None else self._preemption.signal_name
 
     def checkpoint_and_exit(self, output_dir: str | None = None, exit_code: int = 0) -> None:
         """Collective: save_state() (committed, even if async saves are pending), then rank 0
-        requeues the Slurm job if handle_preemption(requeue=True), then every rank exits."""
+        requeues the Slurm job if handle_preemption(requeue=True), then every rank exits.
+
+        Args:
+            output_dir: the checkpoint's directory, as save_state()'s.
+            exit_code: the status every rank exits with.
+        """
         directory = self.save_state(output_dir)
         self.wait_for_checkpoint()
         # Finish MPI before requeueing: the requeue kills this job step at once, and MPI
@@ -1225,11 +1642,12 @@ class Accelerator:
 
     @property
     def restart_count(self) -> int:
-        """SLURM_RESTART_COUNT: 0 on the first run, n after n requeues."""
+        """Not collective. SLURM_RESTART_COUNT: 0 on the first run, n after n requeues."""
         return preemption.restart_count()
 
     @property
     def save_iteration(self) -> int:
+        """Not collective. The number the next automatically named checkpoint gets."""
         return self.project_configuration.iteration
 
 

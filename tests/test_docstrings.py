@@ -28,13 +28,7 @@ CLASSES = [
     PartialState,
     AcceleratorState,
     GradientState,
-    pytest.param(
-        Accelerator,
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="issue 29 item 7: Accelerator's Args: sections come once it is one class",
-        ),
-    ),
+    Accelerator,
 ]
 
 
