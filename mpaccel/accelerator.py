@@ -1456,6 +1456,7 @@ class Accelerator:
             gradients=gradients,
             loading=loading,
             sharded_entries=self.strategy.checkpoint_entries,
+            summed_gradients=self.strategy.summed_gradients,
         )
 
     def save_state(

@@ -175,6 +175,10 @@ def _is_half(tensor: Any) -> bool:
 
 
 def convert_to_fp32(tensor: Any) -> Any:
-    """`tensor` (a nested structure) with each float16 or bfloat16 tensor converted to float32;
-    other leaves are kept."""
+    """Not collective. `tensor` with each float16 or bfloat16 tensor converted to float32,
+    nested structures rebuilt with the same types; other leaves are kept.
+
+    Args:
+        tensor: a tensor, or nested lists, tuples, named tuples and mappings of tensors.
+    """
     return recursively_apply(lambda t: t.float(), tensor, test_type=_is_half)

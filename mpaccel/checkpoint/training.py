@@ -66,6 +66,10 @@ class TrainingState:
     rank stores only its own rows, in the sharded part of the checkpoint, and on load reads the
     rows it owns, from a sharded or an ordinary checkpoint. Models and optimizers saved in the
     sharded part load into `models`/`optimizers` too (every rank reads whole tensors).
+    `summed_gradients(model, keys)`: for a save or load mid-accumulation of a sharded model (a
+    `gradients` entry whose model is in `sharded`), the Stateful of the gradients it summed so
+    far, as rows (the parallelism strategy's: mpaccel.strategy's summed_gradients); `keys`,
+    on a load, the gradients the checkpoint holds.
     """
 
     models: Mapping[str, torch.nn.Module] = dataclasses.field(default_factory=_empty)
@@ -75,6 +79,7 @@ class TrainingState:
     gradients: Mapping[str, torch.nn.Module] = dataclasses.field(default_factory=_empty)
     optional: frozenset[str] = frozenset()
     sharded: Mapping[str, Stateful] = dataclasses.field(default_factory=_empty)
+    summed_gradients: Callable[[torch.nn.Module, list[str] | None], Stateful] | None = None
 
     @classmethod
     def from_prepared(
@@ -91,6 +96,7 @@ class TrainingState:
         loading: bool = False,
         sharded_entries: Callable[[Mapping[str, torch.nn.Module], Mapping[str, Any], bool],
                                   Mapping[str, Stateful]] | None = None,
+        summed_gradients: Callable[[torch.nn.Module, list[str] | None], Stateful] | None = None,
     ) -> TrainingState:
         """What an Accelerator's save_state/load_state hand the checkpoint, under the names of
         its entries (docs/checkpoint-format.md): the (unwrapped) `models`, `optimizers`,
@@ -125,14 +131,22 @@ class TrainingState:
             if gradients else {},
             optional=frozenset({"scaler"}),
             sharded=sharded,
+            summed_gradients=summed_gradients,
         )
 
     def sharded_gradients(self) -> dict[str, torch.nn.Module]:
         """The `gradients` entries whose model is one of `sharded` (a fully_shard model): their
-        gradients go as rows into the sharded part (sharded_state.SummedGradients), not per
+        gradients go as rows into the sharded part (through `summed_gradients`), not per
         rank."""
         held = {id(obj) for obj in self.sharded.values()}
-        return {name: module for name, module in self.gradients.items() if id(module) in held}
+        found = {name: module for name, module in self.gradients.items() if id(module) in held}
+        if found and self.summed_gradients is None:
+            raise CheckpointError(
+                f"{sorted(found)}: the gradients of a sharded model need `summed_gradients`, "
+                "the Stateful its parallelism strategy makes of them",
+                "build the TrainingState with summed_gradients= (Accelerator.save_state does).",
+            )
+        return found
 
     def __post_init__(self) -> None:
         shared = [*self.models, *self.optimizers, *self.shared, *self.sharded]

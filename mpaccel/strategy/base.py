@@ -158,3 +158,10 @@ class Strategy:
         its state created to load into."""
         del models, optimizers, loading
         return {}
+
+    def summed_gradients(self, model: torch.nn.Module, keys: list[str] | None) -> Any:
+        """Not collective to build; its state_dict() is collective over the model's ranks. The
+        gradients one of this strategy's sharded models (a checkpoint_entries model) summed so
+        far mid-accumulation, as a Stateful whose rows a checkpoint holds; `keys`, on a load,
+        the gradients the checkpoint holds. A strategy that shards no model has none."""
+        raise NotImplementedError(f"{type(self).__name__} shards no model: {type(model).__name__}")

@@ -2,13 +2,14 @@
 strategy/mesh.py (1-D, or HSDP's replicate x shard), its DTensor parameters, and the
 `FullySharded` strategy that prepare(), the training step and checkpoints call.
 
-The only module that imports torch.distributed.fsdp and torch.distributed.tensor, and only
-inside its functions, once a model is sharded: importing them at mpaccel's import made
+The only module that imports torch.distributed.fsdp (checkpoint/sharded/, which reads
+DTensors, is the other that imports torch.distributed.tensor), and only inside its functions,
+once a model is sharded: importing them at mpaccel's import made
 Accelerate's test_sync.py (DDP) hang at its end in most runs at -n 4 (a torch gloo teardown
 race whose odds the import changed). One concept in one file, past 600 lines: a model's life
 under FSDP2 (which blocks become units, sharding from rank 0's weights with tied parameters
 kept, optimizers re-pointed at the shards, gradient sync and clipping, whole and per-rank
-state, the optimizer as a checkpoint entry); its parts share private helpers that no other
+state, the optimizer and the gradients summed mid-accumulation as checkpoint entries); its parts share private helpers that no other
 module needs. Functions say which ranks call them; the collective ones must be called by
 every rank in the same order."""
 
@@ -711,6 +712,97 @@ def sharded_grad_scaler(device_type: str, **kwargs: Any) -> Any:
     return ShardedGradScaler(device_type, **kwargs)
 
 
+class SummedGradients:
+    """The gradients a fully_shard model summed so far mid-accumulation, as DTensors sharded like
+    its parameters: a Stateful of the sharded part, so that they are saved as rows and load at
+    any world size.
+
+    While FSDP2 accumulates without synchronising (accumulate(), no_sync()), each rank holds
+    whole gradients of its own micro-batches (FSDPParam's unsharded gradient); the next
+    synchronising backward averages them over the ranks, reduce-scatters them and adds them
+    to `p.grad`. state_dict() (collective over the model's mesh) does that reduction into new
+    memory, leaving FSDP's own state alone: p.grad + the ranks' average of the pending
+    gradients. load_state_dict() sets `p.grad` to it and drops pending gradients, so the next
+    synchronising backward adds the rest as it would have. `keys`: the gradients a load
+    expects (those the checkpoint holds). FullySharded.summed_gradients hands it to the
+    checkpoint (TrainingState.summed_gradients), which calls `restorer()` to undo a failed
+    load."""
+
+    def __init__(self, module: Any, keys: list[str] | None = None) -> None:
+        self.module = module
+        self.keys = keys
+
+    def _params(self) -> dict[str, Any]:
+        return {name: p for name, p in self.module.named_parameters() if p.requires_grad}
+
+    def _pending(self) -> list[Any]:
+        """FSDP2's FSDPParams of the model (private API: torch 2.13's names)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        out = []
+        for sub in self.module.modules():
+            if isinstance(sub, FSDPModule):
+                group = sub._get_fsdp_state()._fsdp_param_group
+                out += [] if group is None else list(group.fsdp_params)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        params = self._params()
+        if self.keys is not None:  # targets of a load, sharded like the parameters
+            return {key: torch.zeros_like(params[key]).detach() for key in self.keys}
+        from torch.distributed.tensor import DTensor, Partial
+
+        pending: dict[int, torch.Tensor] = {}
+        for fsdp_param in self._pending():
+            grad = fsdp_param.unsharded_accumulated_grad
+            if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+                grad = fsdp_param._unsharded_param.grad
+            if grad is not None:
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                pending[id(fsdp_param.sharded_param)] = local
+        out = {}
+        for name, p in params.items():
+            total = p.grad
+            local = pending.get(id(p))
+            if local is not None and isinstance(p, DTensor):
+                mesh = p.device_mesh
+                summed = DTensor.from_local(
+                    local.to(p.dtype), mesh, [Partial("avg")] * mesh.ndim, run_check=False,
+                    shape=p.shape, stride=p.stride(),
+                ).redistribute(mesh, p.placements)
+                total = summed if total is None else total + summed
+            if total is not None:
+                out[name] = total.detach()
+        return out
+
+    def restorer(self) -> Any:
+        """A callable that gives the model back the gradients it holds now (its `.grad`s and
+        FSDP's pending ones), which load_state_dict() replaces."""
+        grads = [(p, p.grad) for p in self._params().values()]
+        pending = [(f, f.unsharded_accumulated_grad,
+                    f._unsharded_param.grad if hasattr(f, "_unsharded_param") else None)
+                   for f in self._pending()]
+
+        def restore() -> None:
+            for p, grad in grads:
+                p.grad = grad
+            for f, accumulated, unsharded in pending:
+                f.unsharded_accumulated_grad = accumulated
+                if hasattr(f, "_unsharded_param"):
+                    f._unsharded_param.grad = unsharded
+
+        return restore
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = self._params()
+        for fsdp_param in self._pending():
+            fsdp_param.unsharded_accumulated_grad = None
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = None
+        for key, value in state.items():
+            params[key].grad = value
+
+
 class FullySharded(Strategy):
     """FSDP2 (torch's fully_shard) with the FullyShardedDataParallelPlugin `plugin`, over a
     mesh built here from `parallelism_config` or the node layout (strategy/mesh.py): HSDP on a
@@ -778,3 +870,6 @@ class FullySharded(Strategy):
         if entries:
             entries.update({n: OptimizerState(o, create=loading) for n, o in optimizers.items()})
         return entries
+
+    def summed_gradients(self, model: torch.nn.Module, keys: list[str] | None) -> Any:
+        return SummedGradients(model, keys)

@@ -14,9 +14,14 @@ import torch
 
 import mpaccel.accelerator
 from mpaccel import Accelerator, PartialState
-from mpaccel.errors import ConfigurationError
+from mpaccel.checkpoint import TrainingState
+from mpaccel.errors import CheckpointError, ConfigurationError
 from mpaccel.strategy import DataParallel, FullySharded, Strategy, choose_plugin
-from mpaccel.strategy.fully_sharded import OptimizerState, mixed_precision_policy
+from mpaccel.strategy.fully_sharded import (
+    OptimizerState,
+    SummedGradients,
+    mixed_precision_policy,
+)
 from mpaccel.testing import reset_state
 from mpaccel.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
 from tests.strategy.test_fsdp import Tiny
@@ -125,6 +130,8 @@ def test_data_parallel_state_is_whole_and_no_checkpoint_entry_is_sharded():
     assert acc.get_state_dict(model).keys() == whole.keys()
     assert not acc.strategy.is_sharded(inner) and acc.strategy.tied_aliases(inner) == set()
     assert acc.strategy.checkpoint_entries({"model_0": inner}, {}, loading=False) == {}
+    with pytest.raises(NotImplementedError, match="shards no model"):
+        acc.strategy.summed_gradients(inner, None)
 
 
 # -- FullySharded: what prepare() did with a plugin ----------------------------------------------
@@ -150,6 +157,17 @@ def test_fully_sharded_shards_in_place_and_repoints_the_optimizer(comm):
     assert acc.strategy.sharded_state_dict(model).keys() == whole.keys()
     entries = acc.strategy.checkpoint_entries({"model_0": model}, {"optimizer_0": opt}, False)
     assert entries["model_0"] is model and isinstance(entries["optimizer_0"], OptimizerState)
+    # mid-accumulation gradients: the strategy's Stateful, whose rows are sharded as the params
+    _grads(model)
+    grads = acc.strategy.summed_gradients(model, None)
+    assert isinstance(grads, SummedGradients)
+    state = grads.state_dict()
+    assert state.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(isinstance(g, DTensor) for g in state.values())
+    # a TrainingState without the strategy's callable refuses, rather than drop them
+    objects = TrainingState(sharded={"model_0": model}, gradients={"gradients_0": model})
+    with pytest.raises(CheckpointError, match="summed_gradients"):
+        objects.sharded_gradients()
 
 
 @pytest.mark.usefixtures("no_group_left_behind")

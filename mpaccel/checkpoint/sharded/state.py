@@ -32,95 +32,6 @@ STATE_STEM = "state"
 SAVE_ID = "sharded"  # the key of the state index's metadata naming the sharded part's save id
 
 
-class SummedGradients:
-    """The gradients a fully_shard model summed so far mid-accumulation, as DTensors sharded like
-    its parameters: a Stateful of the sharded part, so that they are saved as rows and load at
-    any world size.
-
-    While FSDP2 accumulates without synchronising (accumulate(), no_sync()), each rank holds
-    whole gradients of its own micro-batches (FSDPParam's unsharded gradient); the next
-    synchronising backward averages them over the ranks, reduce-scatters them and adds them
-    to `p.grad`. state_dict() (collective over the model's mesh) does that reduction into new
-    memory, leaving FSDP's own state alone: p.grad + the ranks' average of the pending
-    gradients. load_state_dict() sets `p.grad` to it and drops pending gradients, so the next
-    synchronising backward adds the rest as it would have. `keys`: the gradients a load
-    expects (those the checkpoint holds)."""
-
-    def __init__(self, module: Any, keys: list[str] | None = None) -> None:
-        self.module = module
-        self.keys = keys
-
-    def _params(self) -> dict[str, Any]:
-        return {name: p for name, p in self.module.named_parameters() if p.requires_grad}
-
-    def _pending(self) -> list[Any]:
-        """FSDP2's FSDPParams of the model (private API: torch 2.13's names)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        out = []
-        for sub in self.module.modules():
-            if isinstance(sub, FSDPModule):
-                group = sub._get_fsdp_state()._fsdp_param_group
-                out += [] if group is None else list(group.fsdp_params)
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        params = self._params()
-        if self.keys is not None:  # targets of a load, sharded like the parameters
-            return {key: torch.zeros_like(params[key]).detach() for key in self.keys}
-        from torch.distributed.tensor import DTensor, Partial
-
-        pending: dict[int, torch.Tensor] = {}
-        for fsdp_param in self._pending():
-            grad = fsdp_param.unsharded_accumulated_grad
-            if grad is None and hasattr(fsdp_param, "_unsharded_param"):
-                grad = fsdp_param._unsharded_param.grad
-            if grad is not None:
-                local = grad.to_local() if isinstance(grad, DTensor) else grad
-                pending[id(fsdp_param.sharded_param)] = local
-        out = {}
-        for name, p in params.items():
-            total = p.grad
-            local = pending.get(id(p))
-            if local is not None and isinstance(p, DTensor):
-                mesh = p.device_mesh
-                summed = DTensor.from_local(
-                    local.to(p.dtype), mesh, [Partial("avg")] * mesh.ndim, run_check=False,
-                    shape=p.shape, stride=p.stride(),
-                ).redistribute(mesh, p.placements)
-                total = summed if total is None else total + summed
-            if total is not None:
-                out[name] = total.detach()
-        return out
-
-    def restorer(self) -> Any:
-        """A callable that gives the model back the gradients it holds now (its `.grad`s and
-        FSDP's pending ones), which load_state_dict() replaces."""
-        grads = [(p, p.grad) for p in self._params().values()]
-        pending = [(f, f.unsharded_accumulated_grad,
-                    f._unsharded_param.grad if hasattr(f, "_unsharded_param") else None)
-                   for f in self._pending()]
-
-        def restore() -> None:
-            for p, grad in grads:
-                p.grad = grad
-            for f, accumulated, unsharded in pending:
-                f.unsharded_accumulated_grad = accumulated
-                if hasattr(f, "_unsharded_param"):
-                    f._unsharded_param.grad = unsharded
-
-        return restore
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        params = self._params()
-        for fsdp_param in self._pending():
-            fsdp_param.unsharded_accumulated_grad = None
-            if hasattr(fsdp_param, "_unsharded_param"):
-                fsdp_param._unsharded_param.grad = None
-        for key, value in state.items():
-            params[key].grad = value
-
-
 def collect(comm: Comm, objects: TrainingState, what: str, copy: bool) -> LocalState | None:
     """Collective. This rank's rows of the `sharded` Statefuls, and of the sharded models'
     gradients where `objects.gradients` asks for them (a copy with `copy`: for a save in the
@@ -131,7 +42,7 @@ def collect(comm: Comm, objects: TrainingState, what: str, copy: bool) -> LocalS
     with agreement(comm, what, kind=CheckpointCollectiveError):
         state = {n: o.state_dict() for n, o in objects.sharded.items()}
         for name, module in objects.sharded_gradients().items():
-            grads = SummedGradients(module).state_dict()
+            grads = objects.summed_gradients(module, None).state_dict()
             if grads:  # none: saved at a step boundary after all
                 state[name] = grads
         local = collect_local(state, comm.rank)
@@ -256,7 +167,7 @@ class ShardedLoad:
         for name, module in grads.items():
             if name in saved:
                 keys = [k.split("/", 1)[1] for k in sliced if k.startswith(f"{name}/")]
-                self.targets[name] = (SummedGradients(module, keys), SHARDED_STEM)
+                self.targets[name] = (objects.summed_gradients(module, keys), SHARDED_STEM)
         # what the ordinary load takes
         self.rest = TrainingState(
             models={n: m for n, m in objects.models.items() if n not in self.targets},
@@ -382,7 +293,7 @@ def _undo_step(target: Any, assign: bool) -> Any:
     if isinstance(target, torch.nn.Module):
         held = target.state_dict(keep_vars=True)
         return functools.partial(target.load_state_dict, held, strict=False, assign=assign)
-    if isinstance(target, SummedGradients):
+    if hasattr(target, "restorer"):  # a sharded model's summed gradients (the strategy's)
         return target.restorer()
     state = target.state_dict()
     if isinstance(state, dict) and isinstance(state.get("state"), dict):  # an optimizer's
