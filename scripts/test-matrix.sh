@@ -126,8 +126,7 @@ join_beside
 # timeout) far longer than they compute. The Slurm tests share one cluster: they run in a
 # process of their own, one at a time, beside the others (run by pytest-xdist workers).
 beside size-1-slurm beside_slurm
-# loadgroup: a module whose jobs are module fixtures (tests/test_run.py) stays on one worker.
-pytest_stage size-1 -- -n "$SIZE1_WORKERS" --dist loadgroup -m "not slurm" tests
+pytest_stage size-1 -- -n "$SIZE1_WORKERS" -m "not slurm" tests
 join_beside
 if [ "${OVERLAP:-1}" != 1 ]; then
   mpich_stage 1; mpich_stage 2

@@ -23,10 +23,7 @@ import torch
 
 from mpaccel.testing import run_mpi
 
-# One xdist worker runs them all (`--dist loadgroup` in scripts/test-matrix.sh): the jobs are
-# module fixtures, which a second worker would run again.
-pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches, pytest.mark.mpi_timeout(600),
-              pytest.mark.xdist_group("hf_training_jobs")]
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches, pytest.mark.mpi_timeout(600)]
 
 JOB = Path(__file__).parent / "hf_training.py"
 ROOT = Path(__file__).resolve().parents[2]
