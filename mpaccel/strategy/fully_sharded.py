@@ -9,8 +9,8 @@ Accelerate's test_sync.py (DDP) hang at its end in most runs at -n 4 (a torch gl
 race whose odds the import changed). One concept in one file, past 600 lines: a model's life
 under FSDP2 (which blocks become units, sharding from rank 0's weights with tied parameters
 kept, optimizers re-pointed at the shards, gradient sync and clipping, whole and per-rank
-state, the optimizer and the gradients summed mid-accumulation as checkpoint entries); its parts share private helpers that no other
-module needs. Functions say which ranks call them; the collective ones must be called by
+state, the optimizer and the gradients summed mid-accumulation as checkpoint entries); its
+parts share private helpers that no other module needs. Functions say which ranks call them; the collective ones must be called by
 every rank in the same order."""
 
 from __future__ import annotations
