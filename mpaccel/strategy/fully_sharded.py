@@ -10,8 +10,8 @@ race whose odds the import changed). One concept in one file, past 600 lines: a 
 under FSDP2 (which blocks become units, sharding from rank 0's weights with tied parameters
 kept, optimizers re-pointed at the shards, gradient sync and clipping, whole and per-rank
 state, the optimizer and the gradients summed mid-accumulation as checkpoint entries); its
-parts share private helpers that no other module needs. Functions say which ranks call them; the collective ones must be called by
-every rank in the same order."""
+parts share private helpers that no other module needs. Functions say which ranks call them;
+the collective ones must be called by every rank in the same order."""
 
 from __future__ import annotations
 
