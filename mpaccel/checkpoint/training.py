@@ -136,17 +136,21 @@ class TrainingState:
 
     def sharded_gradients(self) -> dict[str, torch.nn.Module]:
         """The `gradients` entries whose model is one of `sharded` (a fully_shard model): their
-        gradients go as rows into the sharded part (through `summed_gradients`), not per
-        rank."""
+        gradients go as rows into the sharded part (gradient_rows()), not per rank."""
         held = {id(obj) for obj in self.sharded.values()}
-        found = {name: module for name, module in self.gradients.items() if id(module) in held}
-        if found and self.summed_gradients is None:
+        return {name: module for name, module in self.gradients.items() if id(module) in held}
+
+    def gradient_rows(self, module: torch.nn.Module, keys: list[str] | None) -> Stateful:
+        """Not collective to build. `summed_gradients(module, keys)`: the Stateful of a sharded
+        model's gradients summed so far, which the sharded part of the checkpoint holds as
+        rows; a CheckpointError when the TrainingState has no `summed_gradients`."""
+        if self.summed_gradients is None:
             raise CheckpointError(
-                f"{sorted(found)}: the gradients of a sharded model need `summed_gradients`, "
-                "the Stateful its parallelism strategy makes of them",
+                "the gradients of a sharded model need `summed_gradients`, the Stateful its "
+                "parallelism strategy makes of them",
                 "build the TrainingState with summed_gradients= (Accelerator.save_state does).",
             )
-        return found
+        return self.summed_gradients(module, keys)
 
     def __post_init__(self) -> None:
         shared = [*self.models, *self.optimizers, *self.shared, *self.sharded]

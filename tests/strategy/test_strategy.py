@@ -166,8 +166,9 @@ def test_fully_sharded_shards_in_place_and_repoints_the_optimizer(comm):
     assert all(isinstance(g, DTensor) for g in state.values())
     # a TrainingState without the strategy's callable refuses, rather than drop them
     objects = TrainingState(sharded={"model_0": model}, gradients={"gradients_0": model})
+    assert objects.sharded_gradients() == {"gradients_0": model}
     with pytest.raises(CheckpointError, match="summed_gradients"):
-        objects.sharded_gradients()
+        objects.gradient_rows(model, None)
 
 
 @pytest.mark.usefixtures("no_group_left_behind")

@@ -42,7 +42,7 @@ def collect(comm: Comm, objects: TrainingState, what: str, copy: bool) -> LocalS
     with agreement(comm, what, kind=CheckpointCollectiveError):
         state = {n: o.state_dict() for n, o in objects.sharded.items()}
         for name, module in objects.sharded_gradients().items():
-            grads = objects.summed_gradients(module, None).state_dict()
+            grads = objects.gradient_rows(module, None).state_dict()
             if grads:  # none: saved at a step boundary after all
                 state[name] = grads
         local = collect_local(state, comm.rank)
@@ -167,7 +167,7 @@ class ShardedLoad:
         for name, module in grads.items():
             if name in saved:
                 keys = [k.split("/", 1)[1] for k in sliced if k.startswith(f"{name}/")]
-                self.targets[name] = (objects.summed_gradients(module, keys), SHARDED_STEM)
+                self.targets[name] = (objects.gradient_rows(module, keys), SHARDED_STEM)
         # what the ordinary load takes
         self.rest = TrainingState(
             models={n: m for n, m in objects.models.items() if n not in self.targets},
