@@ -72,15 +72,16 @@ if not typing.TYPE_CHECKING:
 
     def __getattr__(name: str) -> object:
         """A public name, from its module on first use; Accelerate's names for features
-        mpaccel lacks resolve to refusals with a HINT (mpaccel/_absent.py), not in __all__
+        mpaccel lacks resolve to refusals with a HINT (mpaccel/absent_names.py), not in __all__
         (type checkers keep reporting them as absent)."""
-        if name.startswith("_"):  # a submodule not imported yet: the import system's turn
+        if name.startswith("_"):  # a private submodule not imported yet: the import system's
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         module = _WHERE.get(name)
         if module is None:
-            from . import _absent
-
-            return _absent.resolve(__name__, name)
+            # import_module, not `from . import`: that would ask this __getattr__ for the
+            # module's own name first, and recurse
+            absent = importlib.import_module(".absent_names", __name__)
+            return absent.resolve(__name__, name)
         value = getattr(importlib.import_module(module, __name__), name)
         globals()[name] = value
         return value

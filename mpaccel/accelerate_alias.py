@@ -5,7 +5,7 @@ objects, so a library built on Accelerate and the script share one state), and
 libraries' version checks pass whether or not the real Accelerate is installed.
 
 A module mpaccel lacks is refused at import with a HINT (ModuleNotFoundError); a name mpaccel
-lacks inside a module it has resolves as in a direct import of mpaccel (mpaccel/_absent.py).
+lacks inside a module it has resolves as in a direct import of mpaccel (mpaccel/absent_names.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import types
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import _absent
+from . import absent_names
 from .errors import with_hint
 
 # The Accelerate release whose API mpaccel follows (docs/compatibility.md): what
@@ -95,7 +95,7 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def missing_module_message(name: str) -> str:
     """Why `accelerate` module `name` cannot be imported under `mpaccel run`, with the HINT."""
-    reason = _absent.module_reason(target(name))
+    reason = absent_names.module_reason(target(name))
     if reason is not None:
         return with_hint(f"{name} cannot be used: {reason.why}", reason.instead)
     return with_hint(

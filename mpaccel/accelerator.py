@@ -21,7 +21,16 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from . import _absent, checkpoint, distributed, ops, preemption, shared_settings, tracking, training
+from . import (
+    absent_names,
+    checkpoint,
+    distributed,
+    ops,
+    preemption,
+    shared_settings,
+    tracking,
+    training,
+)
 from .comm import agreement
 from .config import (
     AutocastKwargs,
@@ -1664,8 +1673,8 @@ def _is_scheduler(obj: Any) -> bool:
 
 _warned_no_context_parallel = False
 
-# Accelerate's members for features mpaccel lacks: refusals with a HINT (mpaccel/_absent.py).
-_absent.install_members(Accelerator)
+# Accelerate's members for features mpaccel lacks: refusals with a HINT (mpaccel/absent_names.py).
+absent_names.install_members(Accelerator)
 
 
 class _AccumulationStep:

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from . import _env
+from . import envvars
 from ._version import __version__
 from .device import select_device
 from .discovery import discover, import_mpi
@@ -50,8 +50,8 @@ def _loaded_libmpi() -> str | None:
     return ", ".join(sorted(paths)) or None
 
 
-def _mpi_facts(env: _env.Snapshot) -> Facts:
-    facts: Facts = {"MPI4PY_LIBMPI": _env.get("mpi4py_libmpi", env)}
+def _mpi_facts(env: envvars.Snapshot) -> Facts:
+    facts: Facts = {"MPI4PY_LIBMPI": envvars.get("mpi4py_libmpi", env)}
     try:  # without MPI_Init: discover() first checks that this launcher suits the library
         MPI = import_mpi()
     except (ImportError, RuntimeError) as exc:  # no mpi4py, or no libmpi it can load
@@ -108,8 +108,8 @@ def _version_of(module: str) -> str:
         return f"not importable ({exc})"
 
 
-def _device_of(env: _env.Snapshot, torch_facts: Facts, local_rank: int, local_size: int) -> str:
-    cpu = _env.get_bool("use_cpu", False, env)
+def _device_of(env: envvars.Snapshot, torch_facts: Facts, local_rank: int, local_size: int) -> str:
+    cpu = envvars.get_bool("use_cpu", False, env)
     cuda, count = bool(torch_facts.get("cuda_available")), int(torch_facts.get("device_count", 0))
     return select_device(cpu, cuda, count, local_rank, local_size)
 
@@ -124,7 +124,7 @@ def collect_env_facts() -> Facts:
     Returns the same shape on every rank; `facts["rank"]` says whose they are, and only rank 0
     holds every rank's row (others hold an empty list).
     """
-    env = _env.snapshot()  # before mpi4py initialises MPI, which may consume launcher variables
+    env = envvars.snapshot()  # before mpi4py initialises MPI, which may consume launcher variables
     unread = "not read: see the launch problem above"
     facts: Facts = {
         "mpaccel": __version__,
@@ -136,7 +136,7 @@ def collect_env_facts() -> Facts:
         "launch_problem": None,
         "warnings": [],
         "ranks": [],
-        "rank": _env.rank_before_init(env) or 0,
+        "rank": envvars.rank_before_init(env) or 0,
         "torch": _torch_facts(),
         "mpi": _mpi_facts(env),
     }
@@ -148,7 +148,7 @@ def collect_env_facts() -> Facts:
         facts["launcher"] = {"name": launcher.name, "expected": launcher.expected_world_size()}
         slurm = SlurmFacts.from_env(env)
         facts["slurm"] = dataclasses.asdict(slurm) if slurm.in_job else None
-        timeout = _env.get_float("timeout", env) or timeout
+        timeout = envvars.get_float("timeout", env) or timeout
     except MpaccelError as exc:  # discover() raises it on every rank: none waits for this one
         problem = exc
     try:
@@ -168,7 +168,7 @@ def collect_env_facts() -> Facts:
             "local_rank": info.local_process_index,
             "node": info.node_index,
             "pid": os.getpid(),
-            "cuda_visible_devices": _env.get("cuda_visible_devices", env),
+            "cuda_visible_devices": envvars.get("cuda_visible_devices", env),
             "device": _device_of(
                 env, facts["torch"], info.local_process_index, info.local_num_processes
             ),
@@ -365,7 +365,7 @@ def _run_program(program: list[str]) -> int:
                          "--lr 1e-4`, `mpaccel run -m my_package.train`\n")
         return 2
     accelerate_alias.install()
-    if (_env.rank_before_init() or 0) == 0:
+    if (envvars.rank_before_init() or 0) == 0:
         sys.stderr.write(
             f"mpaccel run: `accelerate` is mpaccel {__version__} in this process (Accelerate "
             f"{accelerate_alias.ACCELERATE_VERSION}'s API; names mpaccel lacks are refused "

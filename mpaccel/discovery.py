@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from . import _env
+from . import envvars
 from .comm import Comm, MPIComm, NullComm
 from .environments import (
     Launcher,
@@ -144,17 +144,17 @@ class _LaunchVariables:
     progress_ms: float | None
 
     @classmethod
-    def parse(cls, env: _env.Snapshot, mpi_library: str | None) -> _LaunchVariables:
+    def parse(cls, env: envvars.Snapshot, mpi_library: str | None) -> _LaunchVariables:
         """`mpi_library`: what mpi4py loaded (None: no library), which decides between the
         variables of two MPI launchers."""
-        _env.check(env)  # every variable of the table, whoever reads it later
+        envvars.check(env)  # every variable of the table, whoever reads it later
         launcher = detect_launcher(env, mpi_library)
         launcher.expected_world_size()  # parses the launcher's count now, not after MPI_Init
         return cls(
             SlurmFacts.from_env(env),
             launcher,
-            _env.get_bool("skip_launch_checks", False, env),
-            _env.get_float("mpi_progress", env),
+            envvars.get_bool("skip_launch_checks", False, env),
+            envvars.get_float("mpi_progress", env),
         )
 
 
@@ -179,7 +179,7 @@ def core_share(keys: Sequence[Any], cores: Sequence[frozenset[int]], rank: int) 
 
 def discover(
     default_timeout: float = 1800.0,
-    env: _env.Snapshot | None = None,
+    env: envvars.Snapshot | None = None,
     problem: MpaccelError | None = None,
 ) -> Discovery:
     """Collective over COMM_WORLD: every process of the job must call this, once.
@@ -195,7 +195,7 @@ def discover(
     before MPI_Init on those ranks alone, it would leave the others waiting in MPI_Init.
     `problem` is such an error the caller found (a malformed setting of its own).
     """
-    env = _env.snapshot() if env is None else env
+    env = envvars.snapshot() if env is None else env
     host = socket.gethostname()
     MPI: Any = None
     missing: Exception | None = None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _env, lifecycle
+from . import envvars, lifecycle
 from .comm import Comm, agreement
 from .environments import ProcessInfo
 from .errors import ConfigurationError, LaunchError
@@ -72,17 +72,17 @@ def routable_address() -> str:
     return address
 
 
-def address_override(env: _env.Snapshot | None = None) -> tuple[str, str] | None:
+def address_override(env: envvars.Snapshot | None = None) -> tuple[str, str] | None:
     """(logical name, value) of the variable that decides rank 0's address, MPACCEL_MASTER_ADDR
     before MPACCEL_IFNAME; None when neither is set."""
     for logical in ("master_addr", "ifname"):
-        value = _env.get(logical, env)
+        value = envvars.get(logical, env)
         if value:
             return logical, value
     return None
 
 
-def choose_master_addr(info: ProcessInfo, env: _env.Snapshot | None = None) -> str:
+def choose_master_addr(info: ProcessInfo, env: envvars.Snapshot | None = None) -> str:
     """Address rank 0 listens on: MPACCEL_MASTER_ADDR, else MPACCEL_IFNAME's, else loopback for a
     single node, else this host's routable address."""
     override = address_override(env)
@@ -306,12 +306,12 @@ def init_process_group(
     endpoint = None
     with agreement(comm, "torch.distributed rendezvous (opening the store on rank 0)"):
         if info.is_main_process:
-            env = _env.snapshot()
+            env = envvars.snapshot()
             override = address_override(env)
             origin = None
             if override is not None:
                 logical, value = override
-                origin = f"{_env.source_name(logical, env)}={value!r}"
+                origin = f"{envvars.source_name(logical, env)}={value!r}"
                 if logical == "master_addr":
                     check_master_addr(value)
             host = choose_master_addr(info, env)

@@ -5,7 +5,7 @@ arguments; after it, on its output), attached and removed in place. transformers
 The attributes a hooked module carries are Accelerate's, because libraries test for them:
 `_hf_hook` (the hook) and `_old_forward` (the forward it wraps). AlignDevicesHook moves a
 module and its inputs to one device; it does not offload weights (Big Model Inference, which
-mpaccel does not have: see mpaccel/_absent.py)."""
+mpaccel does not have: see mpaccel/absent_names.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import _absent
+from . import absent_names
 from .device import send_to_device
 from .errors import ConfigurationError
 
@@ -142,7 +142,7 @@ class AlignDevicesHook(ModelHook):
         tied_params_map: dict[int, dict[torch.device, torch.Tensor]] | None = None,
     ) -> None:
         if offload or weights_map is not None or offload_buffers:
-            reason = _absent.MODULE_NAMES["mpaccel"]["cpu_offload"]
+            reason = absent_names.MODULE_NAMES["mpaccel"]["cpu_offload"]
             raise ConfigurationError(
                 f"AlignDevicesHook(offload={offload!r}, weights_map=..., offload_buffers="
                 f"{offload_buffers!r}) cannot be used: {reason.why}",

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, NoReturn
 
-from . import _env
+from . import envvars
 from .errors import CollectiveError
 
 # How long a rank whose uncaught CollectiveError names another rank waits for that rank to
@@ -135,7 +135,7 @@ def install_abort_hook(rank: int, size: int, host: str, abort: Callable[[int], A
     global _abort_hook_installed
     if _abort_hook_installed or size == 1:
         return
-    if not _env.get_bool("abort_on_exception", True):
+    if not envvars.get_bool("abort_on_exception", True):
         return
     tag = f"[mpaccel rank {rank}/{size} {host}]"
 

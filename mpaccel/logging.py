@@ -15,7 +15,7 @@ import functools
 import logging
 from typing import Any
 
-from . import _env
+from . import envvars
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):
@@ -61,7 +61,7 @@ def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAda
     Accelerate, is then set on the root logger too)."""
     logger = logging.getLogger(name)
     if log_level is None:
-        log_level = _env.get_choice("log_level")
+        log_level = envvars.get_choice("log_level")
     if log_level is not None:
         level = log_level.upper() if isinstance(log_level, str) else log_level
         logger.setLevel(level)

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from . import _env, lifecycle
+from . import envvars, lifecycle
 from .errors import MpaccelRuntimeWarning, with_hint
 
 DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
@@ -86,21 +86,21 @@ class Preemption:
         return None if self.received is None else signal.Signals(self.received).name
 
 
-def job_id_for_requeue(env: _env.Snapshot | None = None) -> str | None:
+def job_id_for_requeue(env: envvars.Snapshot | None = None) -> str | None:
     """Not collective. The id `scontrol requeue` needs: ARRAYJOB_TASK for array tasks, else
     the job id; None outside Slurm.
 
     Args:
         env: the environment to read; None: the process's snapshot.
     """
-    array_job = _env.get("slurm_array_job_id", env)
-    array_task = _env.get("slurm_array_task_id", env)
+    array_job = envvars.get("slurm_array_job_id", env)
+    array_task = envvars.get("slurm_array_task_id", env)
     if array_job and array_task:
         return f"{array_job}_{array_task}"
-    return _env.get("slurm_job_id", env)
+    return envvars.get("slurm_job_id", env)
 
 
-def requeue(env: _env.Snapshot | None = None) -> bool:
+def requeue(env: envvars.Snapshot | None = None) -> bool:
     """Not collective (rank 0 calls it). Puts this Slurm job back in the queue with `scontrol
     requeue`; a failure is a warning. The job must have been submitted with --requeue (or
     JobRequeue=1).
@@ -137,14 +137,14 @@ def requeue(env: _env.Snapshot | None = None) -> bool:
     return True
 
 
-def restart_count(env: _env.Snapshot | None = None) -> int:
+def restart_count(env: envvars.Snapshot | None = None) -> int:
     """Not collective. How many times Slurm restarted this job (0 on the first run or outside
     Slurm).
 
     Args:
         env: the environment to read; None: the process's snapshot.
     """
-    return _env.get_int("slurm_restart_count", env) or 0
+    return envvars.get_int("slurm_restart_count", env) or 0
 
 
 def exit_cleanly(code: int = 0) -> None:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from . import _env
+from . import envvars
 from .comm import Comm
 from .errors import SettingsMismatchError
 
@@ -35,7 +35,7 @@ HINT = (
     "set it for the whole job instead (export it before srun or mpiexec, or `mpiexec -genv`)."
 )
 
-# (field, variable of mpaccel._env that sets it when the field is None)
+# (field, variable of mpaccel.envvars that sets it when the field is None)
 _FSDP_FIELDS = (
     ("sharding_strategy", "fsdp_sharding_strategy"),
     ("reshard_after_forward", "fsdp_reshard_after_forward"),
@@ -85,7 +85,7 @@ def canonical(value: Any) -> str:
 
 
 def _variables(logical: str | None) -> str:
-    return "" if logical is None else " or ".join(_env.VARIABLES[logical].names)
+    return "" if logical is None else " or ".join(envvars.VARIABLES[logical].names)
 
 
 def of_state(fsdp_plugin: Any, parallelism_config: Any, mixed_precision: str) -> list[Setting]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _absent, _env, distributed, lifecycle, shared_settings, strategy
+from . import absent_names, distributed, envvars, lifecycle, shared_settings, strategy
 from .comm import Comm, agreement
 from .config import (
     SHARD_INSTEAD,
@@ -74,7 +74,7 @@ def _limit_threads(found: Discovery) -> None:
     # N ranks on a node each running cores-many intra-op threads thrash; torchrun sets
     # OMP_NUM_THREADS=1. Share the cores instead, unless the user chose: ranks bound to CPUs of
     # their own keep them all, ranks that may all run anywhere split the node (discovery).
-    if found.info.local_num_processes > 1 and _env.get("omp_num_threads") is None:
+    if found.info.local_num_processes > 1 and envvars.get("omp_num_threads") is None:
         torch.set_num_threads(found.cpu_share)
 
 
@@ -135,9 +135,9 @@ class PartialState:
                 f"cpu and the InitProcessGroupKwargs fields {sorted(_PROCESS_GROUP_KEYS)}"
             )
         try:
-            use_cpu = _env.get_bool("use_cpu", False)
-            env_timeout = _env.get_float("timeout")
-            debug = _env.get_bool("debug", False)
+            use_cpu = envvars.get_bool("use_cpu", False)
+            env_timeout = envvars.get_float("timeout")
+            debug = envvars.get_bool("debug", False)
         except ConfigurationError as exc:  # raised on every rank: none waits in MPI_Init
             discover_once(DEFAULT_TIMEOUT, exc)
             raise
@@ -545,7 +545,7 @@ class AcceleratorState:
                 )
         explicit_fsdp = fsdp_plugin
         try:  # the variable's error names it; raised on every rank (PartialState.__init__)
-            requested = mixed_precision or _env.get_choice("mixed_precision")
+            requested = mixed_precision or envvars.get_choice("mixed_precision")
             fsdp_plugin = strategy.choose_plugin(fsdp_plugin, parallelism_config)
         except ConfigurationError as exc:
             discover_once(DEFAULT_TIMEOUT, exc)
@@ -867,10 +867,10 @@ class GradientState:
         GradientState._shared_state.clear()
 
 
-# Accelerate's names for features mpaccel lacks: refusals with a HINT (mpaccel/_absent.py).
-_absent.install_members(AcceleratorState)
+# Accelerate's names for features mpaccel lacks: refusals with a HINT (mpaccel/absent_names.py).
+absent_names.install_members(AcceleratorState)
 
 if not TYPE_CHECKING:  # type checkers keep reporting these names as absent
 
     def __getattr__(name: str) -> Any:
-        return _absent.resolve(__name__, name)
+        return absent_names.resolve(__name__, name)

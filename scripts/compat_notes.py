@@ -3,16 +3,16 @@
 
 DIFFERS: a name mpaccel has whose behaviour differs from Accelerate's, in one sentence (the
     signature differences are found by the script; this says what it cannot see).
-KEPT: a name mpaccel has only for Accelerate's scripts to import (mpaccel/_absent.py says why
+KEPT: a name mpaccel has only for Accelerate's scripts to import (mpaccel/absent_names.py says why
     and what to use instead).
 MISSING: a name mpaccel should have and does not yet: where it would go. Each one is a gap to
-    close (or to refuse in mpaccel/_absent.py with a reason); compat_table.py --check fails on
+    close (or to refuse in mpaccel/absent_names.py with a reason); compat_table.py --check fails on
     a missing name without a note, and on a note whose name is no longer missing.
 """
 
 from __future__ import annotations
 
-from mpaccel import _absent
+from mpaccel import absent_names
 
 U = "accelerate.utils."
 A = "accelerate."
@@ -84,10 +84,10 @@ DIFFERS: dict[str, str] = {
 }
 
 # Names mpaccel has only to refuse them (they import; using one raises a HINT) or to give
-# Accelerate's value: their reasons live in the package, the one source (mpaccel/_absent.py).
+# Accelerate's value: their reasons live in the package, the one source (mpaccel/absent_names.py).
 # The table quotes a refusal from the name's marker (mpaccel.errors.REFUSED) and a value's note
 # from here, by `group.name`.
-KEPT: dict[str, str] = _absent.notes()
+KEPT: dict[str, str] = absent_names.notes()
 
 # Gaps: names to add where the note says (Accelerate's scripts or common training scripts use
 # them, and nothing about MPI stands in their way).

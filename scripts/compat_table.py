@@ -12,7 +12,7 @@ A name is `supported` (the same signature, by compare_signatures.compare, and no
 `differs` (the signature difference found, and the hand-kept note of scripts/compat_notes.py
 DIFFERS where behaviour differs, or compat_notes.KEPT for a constant or attribute kept with
 Accelerate's value), `refused` (mpaccel has it only to refuse it with a HINT: it carries
-mpaccel.errors.REFUSED, set by mpaccel.errors.refused; mpaccel/_absent.py holds the reasons) or
+mpaccel.errors.REFUSED, set by mpaccel.errors.refused; mpaccel/absent_names.py holds the reasons) or
 `missing` (a gap: compat_notes.MISSING says where it would go). --check fails on a missing name
 without a note.
 """
@@ -275,7 +275,7 @@ def note_problems(rows: list[Row]) -> list[str]:
     status = {f"{row.group}.{row.name}": row.status for row in rows}
     problems = [
         f"{key}: missing, and not in compat_notes.MISSING (add it, refuse it in "
-        f"mpaccel/_absent.py with a reason, or say where it would go)"
+        f"mpaccel/absent_names.py with a reason, or say where it would go)"
         for key, value in status.items()
         if value == "missing" and key not in compat_notes.MISSING
     ]
@@ -292,7 +292,7 @@ def note_problems(rows: list[Row]) -> list[str]:
 # -- rendering -----------------------------------------------------------------------------------
 
 
-# A refusal of mpaccel/_absent.py names the name, then gives the reason its group shares.
+# A refusal of mpaccel/absent_names.py names the name, then gives the reason its group shares.
 _PLACEHOLDER = re.compile(r"^.*? cannot be used: ")
 
 
@@ -317,7 +317,7 @@ def render(rows: list[Row]) -> str:
         same = [f"`{row.name}`" for row in mine if row.status == "supported"]
         if same:
             out += ["Supported as in Accelerate: " + ", ".join(same) + ".", ""]
-        placeholders: dict[str, list[str]] = {}  # mpaccel/_absent.py's, by reason
+        placeholders: dict[str, list[str]] = {}  # mpaccel/absent_names.py's, by reason
         for row in mine:
             if row.status == "refused" and _PLACEHOLDER.match(row.detail):
                 placeholders.setdefault(_PLACEHOLDER.sub("", row.detail), []).append(row.name)

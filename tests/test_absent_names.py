@@ -1,4 +1,4 @@
-"""Accelerate's names for features mpaccel lacks (mpaccel/_absent.py) import at Accelerate's
+"""Accelerate's names for features mpaccel lacks (mpaccel/absent_names.py) import at Accelerate's
 paths, and using one raises mpaccel's error with the reason and a HINT; every other missing name
 stays a plain AttributeError, and introspection (import *, hasattr, pickle) is unchanged."""
 
@@ -12,15 +12,15 @@ import warnings
 import pytest
 import torch
 
-from mpaccel import _absent
+from mpaccel import absent_names
 from mpaccel.accelerator import Accelerator
 from mpaccel.errors import REFUSED, ConfigurationError, MpaccelWarning
 from mpaccel.state import AcceleratorState
 from mpaccel.testing import run_mpi
 
-MODULE_NAMES = [(module, name) for module, names in _absent.MODULE_NAMES.items()
+MODULE_NAMES = [(module, name) for module, names in absent_names.MODULE_NAMES.items()
                 for name in names]
-MEMBERS = [(cls, name) for cls, names in _absent.MEMBERS.items() for name in names]
+MEMBERS = [(cls, name) for cls, names in absent_names.MEMBERS.items() for name in names]
 
 
 def _raises_the_refusal(call, path, reason):
@@ -40,9 +40,9 @@ def test_each_name_imports_and_refuses_when_used(module, name):
     found = importlib.import_module(module)
     assert getattr(found, name) is obj  # one object, as pickle and `is` checks need
     assert name not in found.__all__
-    reason = _absent.MODULE_NAMES[module][name]
-    if name in _absent.VALUES:  # plain data, Accelerate's value
-        assert obj == _absent.VALUES[name] and not callable(obj)
+    reason = absent_names.MODULE_NAMES[module][name]
+    if name in absent_names.VALUES:  # plain data, Accelerate's value
+        assert obj == absent_names.VALUES[name] and not callable(obj)
         return
     assert pickle.loads(pickle.dumps(obj)) is obj
     assert reason.why in obj.__doc__ and reason.instead in obj.__doc__
@@ -65,14 +65,15 @@ def test_a_name_at_two_paths_is_one_object():
     """As in Accelerate, `accelerate.init_empty_weights is accelerate.utils...`."""
     import mpaccel.utils
 
-    both = set(_absent.MODULE_NAMES["mpaccel"]) & set(_absent.MODULE_NAMES["mpaccel.utils"])
+    names = absent_names.MODULE_NAMES
+    both = set(names["mpaccel"]) & set(names["mpaccel.utils"])
     assert both == {"infer_auto_device_map", "load_checkpoint_in_model"}
     for name in both:
         assert getattr(mpaccel, name) is getattr(mpaccel.utils, name)
         assert getattr(mpaccel, name).__module__ == "mpaccel.utils"
 
 
-@pytest.mark.parametrize("module", list(_absent.MODULE_NAMES))
+@pytest.mark.parametrize("module", list(absent_names.MODULE_NAMES))
 def test_other_missing_names_stay_plain_errors(module):
     found = importlib.import_module(module)
     for name in ("no_such_name", "__wrapped__", "__path__" if module == "mpaccel.state" else
@@ -84,13 +85,13 @@ def test_other_missing_names_stay_plain_errors(module):
         exec(f"from {module} import no_such_name", {})
     star: dict = {}
     exec(f"from {module} import *", star)
-    assert not set(star) & set(_absent.MODULE_NAMES[module])  # import * brings none of them
-    assert not set(dir(found)) & set(_absent.MODULE_NAMES[module])
+    assert not set(star) & set(absent_names.MODULE_NAMES[module])  # import * brings none of them
+    assert not set(dir(found)) & set(absent_names.MODULE_NAMES[module])
 
 
 @pytest.mark.parametrize(("cls", "name"), MEMBERS)
 def test_each_member_refuses_or_says_the_feature_is_off(accelerator, cls, name):
-    member = _absent.MEMBERS[cls][name]
+    member = absent_names.MEMBERS[cls][name]
     obj = accelerator if cls == "Accelerator" else accelerator.state
     path = f"{cls}.{name}"
     if member.kind == "value":  # Accelerate's with the feature off: `if accelerator.fp8_enabled`
@@ -114,8 +115,8 @@ def test_other_missing_members_stay_plain_errors(accelerator):
     with pytest.raises(AttributeError, match="AcceleratorState"):
         accelerator.state.downcast_float16  # noqa: B018
     # the members are on the classes, not on instances: nothing else changed
-    assert set(_absent.MEMBERS["Accelerator"]) <= set(vars(Accelerator))
-    assert not set(_absent.MEMBERS["Accelerator"]) & set(vars(accelerator))
+    assert set(absent_names.MEMBERS["Accelerator"]) <= set(vars(Accelerator))
+    assert not set(absent_names.MEMBERS["Accelerator"]) & set(vars(accelerator))
     assert "downcast_bfloat" in vars(AcceleratorState)
     assert pickle.loads(pickle.dumps(accelerator)).fp8_enabled is False
 

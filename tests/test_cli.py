@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpaccel import _env
+from mpaccel import envvars
 from mpaccel.cli import main, render_env_report
 from mpaccel.environments import SlurmFacts
 from mpaccel.testing import run_mpi
@@ -143,7 +143,7 @@ def _python_m_mpaccel(*args, extra_env=None):
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env.child_environment(extra_env),
+        env=envvars.child_environment(extra_env),
     )
 
 
@@ -305,7 +305,7 @@ def test_the_wheel_ships_the_templates_and_the_example(tmp_path):
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp_path), str(source)],
-        capture_output=True, text=True, timeout=300, env=_env.child_environment(),
+        capture_output=True, text=True, timeout=300, env=envvars.child_environment(),
     )
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("mpaccel-*.whl")

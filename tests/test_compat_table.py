@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mpaccel import _env
+from mpaccel import envvars
 from mpaccel.config import DeepSpeedPlugin, MegatronLMPlugin
 from mpaccel.errors import REFUSED, ConfigurationError, refused
 
@@ -37,7 +37,7 @@ def accelerate_installed() -> None:
         reason = (f"the compatibility table is made from accelerate=={ACCELERATE_VERSION} "
                   f"({'accelerate ' + version if version else 'no accelerate'} here); "
                   f"pip install accelerate=={ACCELERATE_VERSION}")
-        if _env.get("ci"):
+        if envvars.get("ci"):
             pytest.fail(reason)
         pytest.skip(reason)
 
@@ -122,7 +122,7 @@ def test_the_check_names_a_missing_name_without_a_note_and_a_stale_note(monkeypa
     assert rows[0].detail == "data; instead"
     assert compat_table.note_problems(rows) == [
         "Accelerator.forgotten: missing, and not in compat_notes.MISSING (add it, refuse it "
-        "in mpaccel/_absent.py with a reason, or say where it would go)"
+        "in mpaccel/absent_names.py with a reason, or say where it would go)"
     ]
     rows[1] = compat_table.Row("Accelerator", "later", "supported", "")
     assert compat_table.note_problems(rows)[1] == (
@@ -131,15 +131,15 @@ def test_the_check_names_a_missing_name_without_a_note_and_a_stale_note(monkeypa
 
 
 def test_the_refused_names_of_the_package_are_listed_by_their_reason(accelerate_installed):
-    """mpaccel/_absent.py's placeholders are `refused`, grouped under their shared reason and
+    """mpaccel/absent_names.py's placeholders are `refused`, grouped under their shared reason and
     HINT; a constant kept with Accelerate's value must equal it (else the row says so)."""
-    from mpaccel import _absent
+    from mpaccel import absent_names
 
     table = _run().stdout
-    for module, names in _absent.MODULE_NAMES.items():
+    for module, names in absent_names.MODULE_NAMES.items():
         section = table.split(f"### `accelerate{module[len('mpaccel'):]}`\n")[1].split("###")[0]
         for name, reason in names.items():
-            if name in _absent.VALUES:
+            if name in absent_names.VALUES:
                 assert f"| `{name}` | differs | Accelerate's value, which" in section
             else:
                 line = next(x for x in section.splitlines() if f"`{name}`" in x)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from mpaccel import _env
+from mpaccel import envvars
 from mpaccel.discovery import check_world_size, discover
 from mpaccel.environments import (
     HydraLauncher,
@@ -105,7 +105,7 @@ def test_process_info_is_frozen_and_validated():
     ],
 )
 def test_launcher_detection(env, launcher, expected):
-    found = detect_launcher(_env.snapshot(env))
+    found = detect_launcher(envvars.snapshot(env))
     assert type(found) is launcher
     assert found.expected_world_size() == expected
 
@@ -125,7 +125,7 @@ def _launch_error(launcher, size, library) -> LaunchError:
 
 
 def test_silent_singletons_under_srun_without_mpi_plugin():
-    env = _env.snapshot(
+    env = envvars.snapshot(
         {
             "SLURM_JOB_ID": "1",
             "SLURM_STEP_NUM_TASKS": "4",
@@ -141,20 +141,20 @@ def test_silent_singletons_under_srun_without_mpi_plugin():
 
 
 def test_silent_singletons_mpich_launcher_openmpi_library():
-    env = _env.snapshot({"PMI_SIZE": "4", "PMI_RANK": "0", "MPI_LOCALRANKID": "0"})
+    env = envvars.snapshot({"PMI_SIZE": "4", "PMI_RANK": "0", "MPI_LOCALRANKID": "0"})
     error = _launch_error(detect_launcher(env), 1, OPENMPI)
     assert "MPI4PY_LIBMPI=libmpich.so.12" in error.hint
     assert "Open MPI's mpirun" in error.hint
 
 
 def test_silent_singletons_openmpi_launcher_mpich_library():
-    env = _env.snapshot({"OMPI_COMM_WORLD_SIZE": "4"})
+    env = envvars.snapshot({"OMPI_COMM_WORLD_SIZE": "4"})
     error = _launch_error(detect_launcher(env), 1, MPICH)
     assert "MPI4PY_LIBMPI=libmpi.so.40" in error.hint
 
 
 def test_world_size_disagreement_that_is_not_singletons():
-    env = _env.snapshot({"OMPI_COMM_WORLD_SIZE": "4"})
+    env = envvars.snapshot({"OMPI_COMM_WORLD_SIZE": "4"})
     error = _launch_error(detect_launcher(env), 2, OPENMPI)
     assert error.message == (
         "Open MPI mpirun says the job has 4 processes (OMPI_COMM_WORLD_SIZE=4), but MPI sees a "
@@ -167,7 +167,7 @@ def test_world_size_disagreement_that_is_not_singletons():
 
 def test_srun_step_disagreeing_with_a_world_larger_than_one():
     # e.g. ranks that found each other through PMI, in an srun step of another size
-    env = _env.snapshot(
+    env = envvars.snapshot(
         {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4",
          "SLURM_PROCID": "1", "PMI_RANK": "1", "PMI_SIZE": "2"}
     )
@@ -185,7 +185,7 @@ def test_srun_step_disagreeing_with_a_world_larger_than_one():
 
 
 def test_a_stale_open_mpi_variable_under_hydra_is_named_not_trusted():
-    env = _env.snapshot({**HYDRA_RANK, "OMPI_COMM_WORLD_SIZE": "4"})
+    env = envvars.snapshot({**HYDRA_RANK, "OMPI_COMM_WORLD_SIZE": "4"})
     assert type(detect_launcher(env)) is OpenMPILauncher  # before the library is known
     launcher = detect_launcher(env, MPICH)
     assert type(launcher) is HydraLauncher
@@ -199,7 +199,7 @@ def test_a_stale_open_mpi_variable_under_hydra_is_named_not_trusted():
 
 
 def test_stale_hydra_variables_under_open_mpi_are_named_not_trusted():
-    env = _env.snapshot({**HYDRA_RANK, "OMPI_COMM_WORLD_SIZE": "2"})
+    env = envvars.snapshot({**HYDRA_RANK, "OMPI_COMM_WORLD_SIZE": "2"})
     launcher = detect_launcher(env, OPENMPI)
     assert type(launcher) is OpenMPILauncher
     [note] = leftover_notes(env, launcher, OPENMPI)
@@ -208,11 +208,11 @@ def test_stale_hydra_variables_under_open_mpi_are_named_not_trusted():
 
 def test_a_launcher_of_another_mpi_alone_is_not_called_stale():
     # Open MPI's mpirun really started it; mpi4py loaded MPICH: a launch error, not a warning
-    env = _env.snapshot({"OMPI_COMM_WORLD_SIZE": "2"})
+    env = envvars.snapshot({"OMPI_COMM_WORLD_SIZE": "2"})
     launcher = detect_launcher(env, MPICH)
     assert type(launcher) is OpenMPILauncher
     assert leftover_notes(env, launcher, MPICH) == []
-    hydra = _env.snapshot(HYDRA_RANK)
+    hydra = envvars.snapshot(HYDRA_RANK)
     assert leftover_notes(hydra, detect_launcher(hydra, MPICH), MPICH) == []
 
 
@@ -222,7 +222,7 @@ OPEN_MPI_RANK = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
 
 
 def test_open_mpi_launch_of_mpich_without_pmix_is_refused_before_init():
-    env = _env.snapshot(OPEN_MPI_RANK)
+    env = envvars.snapshot(OPEN_MPI_RANK)
     with pytest.raises(LaunchError) as info:
         check_pmix_before_init(detect_launcher(env, MPICH), env, MPICH)
     assert info.value.message.startswith(
@@ -234,13 +234,13 @@ def test_open_mpi_launch_of_mpich_without_pmix_is_refused_before_init():
     # the libraries whose MPI_Init copes with PMIx, and processes no PMIx launcher started
     check_pmix_before_init(detect_launcher(env), env, OPENMPI)
     check_pmix_before_init(detect_launcher(env), env, MPICH + "\nMPICH configure: --with-pmix")
-    check_pmix_before_init(detect_launcher(_env.snapshot({})), _env.snapshot({}), MPICH)
+    check_pmix_before_init(detect_launcher(envvars.snapshot({})), envvars.snapshot({}), MPICH)
 
 
 def _without_launcher_variables() -> dict[str, str]:
     prefixes = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDI_", "HYDRA_", "OMPI_", "PRTE_", "SLURM",
                 "MPIR_", "MPACCEL_", "MV2_")
-    return {k: v for k, v in _env.child_environment().items() if not k.startswith(prefixes)}
+    return {k: v for k, v in envvars.child_environment().items() if not k.startswith(prefixes)}
 
 
 def test_open_mpi_launch_of_mpich_raises_the_hint_instead_of_aborting_in_mpi_init():
@@ -269,7 +269,7 @@ def test_a_launcher_count_one_rank_disagrees_with_fails_every_rank_alike(comm):
     env = {**HYDRA_RANK, "PMI_RANK": str(comm.rank), "MPI_LOCALRANKID": str(comm.rank),
            "PMI_SIZE": str(wrong)}
     with pytest.raises(LaunchError) as info:
-        discover(default_timeout=30, env=_env.snapshot(env))
+        discover(default_timeout=30, env=envvars.snapshot(env))
     assert info.value.message == (
         f"on rank {size - 1} ({socket.gethostname()}) only: MPICH hydra mpiexec says the job has "
         f"{size + 1} processes (PMI_SIZE={size + 1}), but MPI sees a world of {size}"
@@ -285,7 +285,7 @@ def test_a_variable_malformed_on_one_rank_fails_every_rank_alike(comm):
            "PMI_SIZE": str(size), "SLURM_JOB_ID": "7",
            "SLURM_JOB_NUM_NODES": "x" if comm.rank == 0 else "1"}
     with pytest.raises(ConfigurationError) as info:
-        discover(default_timeout=30, env=_env.snapshot(env))
+        discover(default_timeout=30, env=envvars.snapshot(env))
     assert info.value.message == (
         f"on rank 0 ({socket.gethostname()}) only: environment variable "
         "SLURM_JOB_NUM_NODES='x' is not an integer from 1 to 2147483647"
@@ -294,9 +294,9 @@ def test_a_variable_malformed_on_one_rank_fails_every_rank_alike(comm):
 
 
 def test_consistent_world_passes():
-    env = _env.snapshot({"PMI_SIZE": "4", "MPI_LOCALRANKID": "0"})
+    env = envvars.snapshot({"PMI_SIZE": "4", "MPI_LOCALRANKID": "0"})
     check_world_size(detect_launcher(env), 4, MPICH)
-    check_world_size(detect_launcher(_env.snapshot({})), 1, MPICH)
+    check_world_size(detect_launcher(envvars.snapshot({})), 1, MPICH)
 
 
 def test_expand_nodelist():
@@ -315,7 +315,7 @@ def test_expand_nodelist():
 
 def test_tasks_per_node_are_runs_never_expanded():
     env = {"SLURM_JOB_ID": "1", "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_JOB_CPUS_PER_NODE": "4"}
-    facts = SlurmFacts.from_env(_env.snapshot(env))
+    facts = SlurmFacts.from_env(envvars.snapshot(env))
     assert facts.tasks_per_node == ((2, 3), (1, 1)) and facts.job_cpus_per_node == ((4, 1),)
     assert runs_text(facts.tasks_per_node) == "2(x3),1"
     assert runs_of([2, 2, 2, 1]) == ((2, 3), (1, 1)) and runs_text(runs_of([])) == ""
@@ -325,14 +325,15 @@ def test_unparseable_tasks_per_node_names_the_variable_read():
     # srun sets both; the step's is the one read, and the one to name
     env = {"SLURM_JOB_ID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x", "SLURM_TASKS_PER_NODE": "2"}
     with pytest.raises(ConfigurationError) as info:
-        SlurmFacts.from_env(_env.snapshot(env))
+        SlurmFacts.from_env(envvars.snapshot(env))
     assert info.value.message.startswith(
         "environment variable SLURM_STEP_TASKS_PER_NODE='2(x' is not Slurm's per-node counts "
         "such as '2(x3),1'"
     )
     assert info.value.hint.startswith("fix or unset SLURM_STEP_TASKS_PER_NODE; launchers and")
     with pytest.raises(ConfigurationError, match=r"SLURM_JOB_CPUS_PER_NODE='3,x' is not"):
-        SlurmFacts.from_env(_env.snapshot({"SLURM_JOB_ID": "1", "SLURM_JOB_CPUS_PER_NODE": "3,x"}))
+        SlurmFacts.from_env(
+            envvars.snapshot({"SLURM_JOB_ID": "1", "SLURM_JOB_CPUS_PER_NODE": "3,x"}))
 
 
 def srun_facts(n_nodes, per_node, **overrides):
@@ -353,7 +354,7 @@ def srun_facts(n_nodes, per_node, **overrides):
                 "SLURM_JOB_NODELIST": f"n[1-{n_nodes}]",
             }
             env.update(overrides)
-            facts.append(SlurmFacts.from_env(_env.snapshot(env)))
+            facts.append(SlurmFacts.from_env(envvars.snapshot(env)))
     keys = [f.nodename for f in facts]
     return facts, layouts(keys)
 
@@ -398,12 +399,12 @@ def test_size_one_skips_layout_checks():
 
 
 def test_batch_shell_warns_when_allocation_is_wider():
-    env = _env.snapshot({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4"})
+    env = envvars.snapshot({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4"})
     launcher = detect_launcher(env)
     notes = allocation_warnings(SlurmFacts.from_env(env), launcher, 1)
     assert len(notes) == 1 and "python ran directly in the batch script" in notes[0]
     assert notes[0].startswith("this Slurm job has 4 tasks (SLURM_NTASKS=4) but only 1 ")
-    assert allocation_warnings(SlurmFacts.from_env(_env.snapshot({})), launcher, 1) == []
+    assert allocation_warnings(SlurmFacts.from_env(envvars.snapshot({})), launcher, 1) == []
 
 
 def hydra_rank(rank, size, job, nodename="n1", proxies=1, **extra):
@@ -433,7 +434,7 @@ def open_mpi_rank(rank, size, job, proxies=1):
 
 
 def _notes(env, world, nodes):
-    env = _env.snapshot(env)
+    env = envvars.snapshot(env)
     return allocation_warnings(SlurmFacts.from_env(env), detect_launcher(env), world, nodes)
 
 
@@ -585,7 +586,7 @@ def test_ranks_sharing_a_node_share_its_threads(state, comm):
     import os
 
     local = state.local_num_processes
-    if _env.get("omp_num_threads") is not None:
+    if envvars.get("omp_num_threads") is not None:
         pytest.skip("OMP_NUM_THREADS is set: mpaccel leaves torch's thread count alone")
     cores = len(os.sched_getaffinity(0))
     assert torch.get_num_threads() == max(1, cores // local)

@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from mpaccel import AcceleratorState, PartialState, _env
+from mpaccel import AcceleratorState, PartialState, envvars
 from mpaccel.discovery import discover
 from mpaccel.environments import SlurmFacts
 from mpaccel.errors import ConfigurationError
@@ -16,26 +16,26 @@ from mpaccel.errors import ConfigurationError
 
 def test_first_set_variable_wins():
     env = {"SLURM_JOBID": "5", "SLURM_JOB_ID": "7"}
-    assert _env.get("slurm_job_id", env) == "7"
-    assert _env.get("slurm_job_id", {"SLURM_JOBID": "5"}) == "5"
-    assert _env.get("slurm_job_id", {}) is None
-    assert _env.get("slurm_job_id", {"SLURM_JOB_ID": ""}) is None
+    assert envvars.get("slurm_job_id", env) == "7"
+    assert envvars.get("slurm_job_id", {"SLURM_JOBID": "5"}) == "5"
+    assert envvars.get("slurm_job_id", {}) is None
+    assert envvars.get("slurm_job_id", {"SLURM_JOB_ID": ""}) is None
 
 
 def test_unknown_logical_name():
     with pytest.raises(KeyError, match="no_such"):
-        _env.get("no_such", {})
+        envvars.get("no_such", {})
 
 
 def test_int_and_bool_errors_name_the_variable():
     with pytest.raises(ValueError, match="SLURM_NTASKS='four'"):
-        _env.get_int("slurm_ntasks", {"SLURM_NTASKS": "four"})
-    assert _env.get_bool("debug", False, {"ACCELERATE_DEBUG_MODE": "yes"}) is True
-    assert _env.get_bool("debug", True, {}) is True
+        envvars.get_int("slurm_ntasks", {"SLURM_NTASKS": "four"})
+    assert envvars.get_bool("debug", False, {"ACCELERATE_DEBUG_MODE": "yes"}) is True
+    assert envvars.get_bool("debug", True, {}) is True
     with pytest.raises(ValueError, match="MPACCEL_DEBUG='maybe'"):
-        _env.get_bool("debug", False, {"MPACCEL_DEBUG": "maybe"})
+        envvars.get_bool("debug", False, {"MPACCEL_DEBUG": "maybe"})
     with pytest.raises(ValueError, match="is not a number of seconds"):
-        _env.get_float("timeout", {"MPACCEL_TIMEOUT": "soon"})
+        envvars.get_float("timeout", {"MPACCEL_TIMEOUT": "soon"})
 
 
 # (variable, value, what the message says is accepted): the values issue 18 found accepted
@@ -75,7 +75,7 @@ def test_a_bad_value_is_one_clear_error_naming_variable_value_and_what_is_accept
     variable, value, accepted
 ):
     with pytest.raises(ConfigurationError) as info:
-        _env.check({variable: value})
+        envvars.check({variable: value})
     assert info.value.message == f"environment variable {variable}={value!r} is not {accepted}"
     if variable.startswith(("MPACCEL_", "ACCELERATE_")):
         assert info.value.hint.startswith(f"set {variable} to such a value, or unset it")
@@ -95,10 +95,10 @@ def test_refusing_any_value_takes_bounded_memory(variable, value):
     # adds up past any memory; a 100,000-digit integer hit Python's int-digits limit.
     tracemalloc.start()
     try:
-        env = _env.snapshot({"SLURM_JOB_ID": "1", variable: value})
+        env = envvars.snapshot({"SLURM_JOB_ID": "1", variable: value})
         with pytest.raises(ConfigurationError) as info:  # what discovery reads, as it reads it
             SlurmFacts.from_env(env)
-            _env.get_float("timeout", env)
+            envvars.get_float("timeout", env)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -110,7 +110,7 @@ def test_refusing_any_value_takes_bounded_memory(variable, value):
 def test_per_node_counts_are_kept_as_runs_at_the_limit():
     tracemalloc.start()
     try:
-        facts = SlurmFacts.from_env(_env.snapshot({"SLURM_JOB_ID": "1",
+        facts = SlurmFacts.from_env(envvars.snapshot({"SLURM_JOB_ID": "1",
                                                    "SLURM_TASKS_PER_NODE": "2(x100000)"}))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -121,32 +121,32 @@ def test_per_node_counts_are_kept_as_runs_at_the_limit():
 
 def test_every_variable_of_the_table_is_validated_by_its_kind():
     # A value no kind but text takes: every other variable refuses it, by its own name.
-    for logical, variable in _env.VARIABLES.items():
-        assert isinstance(variable.kind, _env.Kind), logical
+    for logical, variable in envvars.VARIABLES.items():
+        assert isinstance(variable.kind, envvars.Kind), logical
         for name in variable.names:
-            if isinstance(variable.kind, _env.Text):
-                assert _env.get(logical, {name: "[x"}) == "[x"
+            if isinstance(variable.kind, envvars.Text):
+                assert envvars.get(logical, {name: "[x"}) == "[x"
                 continue
             with pytest.raises(ConfigurationError, match=rf"^environment variable {name}='\[x'"):
-                _env.check({name: "[x"})
+                envvars.check({name: "[x"})
             with pytest.raises(ConfigurationError, match=rf"^environment variable {name}='\[x'"):
-                _env.get(logical, {name: "[x"})
+                envvars.get(logical, {name: "[x"})
 
 
 def test_typed_getters_parse_through_the_table_and_refuse_another_kind():
-    assert _env.get_choice("mixed_precision", {"ACCELERATE_MIXED_PRECISION": " BF16 "}) == "bf16"
-    assert _env.get_bool("use_cpu", False, {"ACCELERATE_USE_CPU": "t"}) is True  # Accelerate's
-    assert _env.get_float("mpi_progress", {"MPACCEL_MPI_PROGRESS": "0"}) == 0.0
-    assert _env.get_int("slurm_procid", {"SLURM_PROCID": " 3 "}) == 3
-    assert _env.get_runs("slurm_tasks_per_node", {}) == ()
-    assert _env.get("slurm_nodelist", {"SLURM_NODELIST": "n[1-2]"}) == "n[1-2]"
+    assert envvars.get_choice("mixed_precision", {"ACCELERATE_MIXED_PRECISION": " BF16 "}) == "bf16"
+    assert envvars.get_bool("use_cpu", False, {"ACCELERATE_USE_CPU": "t"}) is True  # Accelerate's
+    assert envvars.get_float("mpi_progress", {"MPACCEL_MPI_PROGRESS": "0"}) == 0.0
+    assert envvars.get_int("slurm_procid", {"SLURM_PROCID": " 3 "}) == 3
+    assert envvars.get_runs("slurm_tasks_per_node", {}) == ()
+    assert envvars.get("slurm_nodelist", {"SLURM_NODELIST": "n[1-2]"}) == "n[1-2]"
     with pytest.raises(TypeError, match="'timeout' holds Number, not Integer"):
-        _env.get_int("timeout", {})
+        envvars.get_int("timeout", {})
 
 
 def test_several_bad_variables_are_named_in_one_error():
     with pytest.raises(ConfigurationError) as info:
-        _env.check({"SLURM_NTASKS": "-1", "MPACCEL_TIMEOUT": "nan", "PMI_SIZE": "2"})
+        envvars.check({"SLURM_NTASKS": "-1", "MPACCEL_TIMEOUT": "nan", "PMI_SIZE": "2"})
     assert info.value.message == (
         "environment variable SLURM_NTASKS='-1' is not an integer from 1 to 2147483647; "
         "environment variable MPACCEL_TIMEOUT='nan' is not a number of seconds > 0 and <= "
@@ -155,7 +155,7 @@ def test_several_bad_variables_are_named_in_one_error():
 
 
 def test_a_shadowed_variable_is_not_read_so_not_refused():
-    _env.check({"MPACCEL_DEBUG": "1", "ACCELERATE_DEBUG_MODE": "maybe"})
+    envvars.check({"MPACCEL_DEBUG": "1", "ACCELERATE_DEBUG_MODE": "maybe"})
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,7 @@ def test_discovery_refuses_a_bad_variable_on_every_rank_naming_the_one_that_has_
     if comm.rank == size - 1:
         env[variable] = value
     with pytest.raises(ConfigurationError) as info:
-        discover(default_timeout=30, env=_env.snapshot(env))
+        discover(default_timeout=30, env=envvars.snapshot(env))
     said = f"environment variable {variable}={value!r} is not "
     if size == 1:
         assert info.value.message.startswith(said)
@@ -198,26 +198,26 @@ def test_state_refuses_bad_variables_naming_them(state, monkeypatch):
 
 
 def test_snapshot_keeps_only_table_variables_and_is_read_only():
-    snap = _env.snapshot({"PMI_SIZE": "4", "HOME": "/root"})
+    snap = envvars.snapshot({"PMI_SIZE": "4", "HOME": "/root"})
     assert dict(snap) == {"PMI_SIZE": "4"}
     with pytest.raises(TypeError):
         snap["PMI_SIZE"] = "2"  # type: ignore[index]
 
 
 def test_rank_before_init_order():
-    assert _env.rank_before_init({"PMI_RANK": "3", "SLURM_PROCID": "0"}) == 3
-    assert _env.rank_before_init({"OMPI_COMM_WORLD_RANK": "2"}) == 2
-    assert _env.rank_before_init({}) is None
+    assert envvars.rank_before_init({"PMI_RANK": "3", "SLURM_PROCID": "0"}) == 3
+    assert envvars.rank_before_init({"OMPI_COMM_WORLD_RANK": "2"}) == 2
+    assert envvars.rank_before_init({}) is None
 
 
 def test_no_other_module_reads_os_environ():
     import pathlib
 
-    root = pathlib.Path(_env.__file__).parent
+    root = pathlib.Path(envvars.__file__).parent
     offenders = [
         str(path.relative_to(root))
         for path in root.rglob("*.py")
-        if path.name != "_env.py"
+        if path.name != "envvars.py"
         and ("os.environ" in path.read_text() or "os.getenv" in path.read_text())
     ]
     assert offenders == []

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from mpaccel import _env
+from mpaccel import envvars
 
 # Each test ends a Python process of its own: once, in the size-1 pass.
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
@@ -22,7 +22,7 @@ def _python(body: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env.child_environment({"MPACCEL_ABORT_ON_EXCEPTION": "1"}),
+        env=envvars.child_environment({"MPACCEL_ABORT_ON_EXCEPTION": "1"}),
     )
 
 

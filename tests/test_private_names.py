@@ -1,6 +1,5 @@
 """No underscore name crosses a module boundary in mpaccel/: a module's private names are its
-own. Package-private modules (`_env`, `_absent`, ...) are modules, not names: importing them is
-how the package shares them."""
+own, and every module others import has a public name (no `from . import _x`)."""
 
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ def crossings() -> list[str]:
             for alias in node.names:
                 if _is_module(target, alias.name):
                     modules.add(alias.asname or alias.name)
-                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
                     found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: imports "
                                  f"{alias.name} from {'.' * node.level}{node.module or ''}")
         for node in ast.walk(tree):

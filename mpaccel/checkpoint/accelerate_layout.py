@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import _env
+from .. import envvars
 from ..comm import Comm, agreement
 from ..errors import CheckpointCollectiveError, CheckpointError, MpaccelRuntimeWarning
 from . import rawio
@@ -106,7 +106,7 @@ def load_accelerate_state(
     (3) The RNG states, checked in (1), are set. Every error is raised on every rank, naming
     the ranks where it happened."""
     if allow_pickle is None:
-        allow_pickle = _env.get_bool("allow_pickle", False)
+        allow_pickle = envvars.get_bool("allow_pickle", False)
     model_options = model_load_options(model_options)
     what = f"loading Accelerate checkpoint {directory!r}"
     limit = rawio.stall_limit(comm.default_timeout)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .. import _env
+from .. import envvars
 from ..comm import Comm, NullComm, agreement
 from ..comm.presence import ALONE, COLLECTIVE, OTHERS
 from ..config import ProjectConfiguration
@@ -65,7 +65,7 @@ DEFAULT_WAIT = 10.0
 
 def solo_wait() -> float:
     """Seconds a save waits for the other ranks before saving alone (MPACCEL_SOLO_SAVE_WAIT)."""
-    value = _env.get_float("solo_save_wait")
+    value = envvars.get_float("solo_save_wait")
     return DEFAULT_WAIT if value is None else value
 
 

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .. import _env
+from .. import envvars
 from ..errors import StalledIOError
 
 T = TypeVar("T")
@@ -56,7 +56,7 @@ def io_threads() -> int:
     """Threads per process for checkpoint data I/O: MPACCEL_IO_THREADS, else this process's
     share of the node's cores as torch uses it (mpaccel sets torch's threads to cores / ranks
     per node), at most 4. Measured here: 2 threads at 1 rank per 2 cores, 1 thread at 4."""
-    threads = _env.get_int("io_threads")  # the table takes 1 to 1024
+    threads = envvars.get_int("io_threads")  # the table takes 1 to 1024
     if threads is None:
         return max(1, min(4, torch.get_num_threads()))
     return threads
@@ -191,7 +191,7 @@ def read_threads(tasks: Sequence[ReadTask]) -> int:
     disk streams best to one sequential reader, which leaves the other cores to the checksums
     (docs/benchmarks.md, "Since 49583d9 a process reads with one thread"). Network and parallel
     file systems keep io_threads(): they want several requests in flight."""
-    if not tasks or _env.get_int("io_threads") is not None:
+    if not tasks or envvars.get_int("io_threads") is not None:
         return io_threads()
     first, last = tasks[0], tasks[-1]
     if _cached(first.fd, first.offset) is False or _cached(last.fd, last.offset) is False:

@@ -1,6 +1,6 @@
 """Fully sharded data parallelism's configuration, with Accelerate's names:
 FullyShardedDataParallelPlugin (FSDP2 only), ParallelismConfig (the data-parallel mesh shape)
-and their enums. Unset fields take Accelerate's FSDP_* variables, read through mpaccel._env."""
+and their enums. Unset fields take Accelerate's FSDP_* variables, read through mpaccel.envvars."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _env
+from .. import envvars
 from ..enums import NamedEnum
 from ..errors import ConfigurationError, MpaccelWarning
 from .kwargs import KwargsHandler
@@ -167,7 +167,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     forward_methods: list[str] | None = None
 
     def __post_init__(self) -> None:
-        version = self.fsdp_version if self.fsdp_version is not None else _env.get_int(
+        version = self.fsdp_version if self.fsdp_version is not None else envvars.get_int(
             "fsdp_version"
         )
         if version is None:
@@ -207,7 +207,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
         self.mixed_precision_policy = _policy(self.mixed_precision_policy)
         self.forward_methods = self._forward_methods()
         if self.ignored_modules is None:
-            self.ignored_modules = _env.get("fsdp_ignored_modules")
+            self.ignored_modules = envvars.get("fsdp_ignored_modules")
         if self.ignored_modules is not None and not isinstance(self.ignored_modules, str):
             self.ignored_modules = list(self.ignored_modules)
 
@@ -252,7 +252,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     def _strategy(self) -> FSDPShardingStrategy | None:
         value = self.sharding_strategy
         if value is None:
-            value = _env.get_choice("fsdp_sharding_strategy")
+            value = envvars.get_choice("fsdp_sharding_strategy")
             if value is None:
                 return None
         if isinstance(value, int) and not isinstance(value, bool) and value in _STRATEGY_CODES:
@@ -280,7 +280,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     def _reshard(self) -> bool:
         value = self.reshard_after_forward
         if value is None:
-            value = _env.get_bool("fsdp_reshard_after_forward", True) if _env.is_set(
+            value = envvars.get_bool("fsdp_reshard_after_forward", True) if envvars.is_set(
                 "fsdp_reshard_after_forward"
             ) else self.sharding_strategy not in (
                 FSDPShardingStrategy.SHARD_GRAD_OP,
@@ -288,7 +288,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
             )
         if isinstance(value, str):
             try:
-                value = _env.Flag().parse(value)
+                value = envvars.Flag().parse(value)
             except ValueError:
                 pass
         if not isinstance(value, bool):
@@ -306,7 +306,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
         SHARDED_STATE_DICT."""
         value = state_dict_type if state_dict_type is not None else self.state_dict_type
         if value is None:
-            value = _env.get_choice("fsdp_state_dict_type") or "SHARDED_STATE_DICT"
+            value = envvars.get_choice("fsdp_state_dict_type") or "SHARDED_STATE_DICT"
         name = _named(value)
         if name.isdigit():
             name = _STATE_DICT_CODES.get(int(name), name)
@@ -321,7 +321,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     def _wrap_policy(self) -> None:
         value = self.auto_wrap_policy
         if value is None:
-            value = _env.get_choice("fsdp_auto_wrap_policy") or "no_wrap"
+            value = envvars.get_choice("fsdp_auto_wrap_policy") or "no_wrap"
         if callable(value) and getattr(value, "__name__", "") in (
             "transformer_auto_wrap_policy",
             "size_based_auto_wrap_policy",
@@ -343,14 +343,14 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
         if self.auto_wrap_policy is FSDPAutoWrapPolicy.TRANSFORMER_BASED_WRAP:
             names: Any = self.transformer_cls_names_to_wrap
             if names is None:
-                names = _env.get("fsdp_transformer_cls_to_wrap")
+                names = envvars.get("fsdp_transformer_cls_to_wrap")
             if isinstance(names, str):
                 names = [n.strip() for n in names.split(",") if n.strip()]
             self.transformer_cls_names_to_wrap = None if names is None else list(names)
         elif self.auto_wrap_policy is FSDPAutoWrapPolicy.SIZE_BASED_WRAP:
             count = self.min_num_params
             if count is None:
-                count = _env.get_int("fsdp_min_num_params") or 0
+                count = envvars.get_int("fsdp_min_num_params") or 0
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ConfigurationError(
                     f"FullyShardedDataParallelPlugin(min_num_params={count!r}) must be an int "
@@ -363,7 +363,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     def _cpu_offload(self) -> Any:
         value = self.cpu_offload
         if value is None:
-            return _env.get_bool("fsdp_offload_params", False)
+            return envvars.get_bool("fsdp_offload_params", False)
         if isinstance(value, bool) or type(value).__name__ in ("CPUOffloadPolicy", "OffloadPolicy"):
             return value
         offload = getattr(value, "offload_params", None)  # FSDP1's CPUOffload
@@ -377,7 +377,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     def _flag(self, field_name: str, logical: str) -> bool:
         value = getattr(self, field_name)
         if value is None:
-            return _env.get_bool(logical, False)
+            return envvars.get_bool(logical, False)
         if not isinstance(value, bool):
             raise ConfigurationError(
                 f"FullyShardedDataParallelPlugin({field_name}={value!r}) must be a bool"
@@ -433,7 +433,7 @@ class ParallelismConfig(KwargsHandler):
                               ("dp_shard_size", "dp_shard_size")):  # fmt: skip
             value = getattr(self, name)
             if value is None:
-                value = _env.get_int(logical) or 1
+                value = envvars.get_int(logical) or 1
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"ParallelismConfig({name}={value!r}) must be an int >= 1")
             setattr(self, name, value)

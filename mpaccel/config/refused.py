@@ -28,7 +28,7 @@ class Refused:
         raise ConfigurationError(self._message(), self._hint)
 
 
-# What to use instead of an engine mpaccel does not drive (here, state.py, _absent.py).
+# What to use instead of an engine mpaccel does not drive (here, state.py, absent_names.py).
 SHARD_INSTEAD = (
     "prepare() the model as it is: DistributedDataParallel when it fits one device (every "
     "rank holds all of it), Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin()) (FSDP2: "

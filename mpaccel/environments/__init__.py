@@ -9,7 +9,7 @@ left over from another launch).
 
 from __future__ import annotations
 
-from .._env import Snapshot
+from ..envvars import Snapshot
 from .base import Launcher, ProcessInfo, layout_from_node_keys, mpi_family
 from .mpi import HydraLauncher, OpenMPILauncher, PMILauncher, leftover_notes
 from .single import SingleProcess

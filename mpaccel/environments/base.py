@@ -6,7 +6,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._env import Snapshot
+from ..envvars import Snapshot
 
 if TYPE_CHECKING:
     from .slurm_facts import SlurmFacts

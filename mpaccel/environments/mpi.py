@@ -6,7 +6,7 @@ each other. When the two disagree, the HINT says which half to change.
 
 from __future__ import annotations
 
-from .. import _env
+from .. import envvars
 from ..errors import LaunchError, with_hint
 from .base import Launcher, mpi_family
 from .slurm import notes_on_allocation
@@ -41,10 +41,10 @@ class OpenMPILauncher(MPILauncher):
 
     @classmethod
     def detect(cls, env):
-        return _env.is_set("ompi_world_size", env)
+        return envvars.is_set("ompi_world_size", env)
 
     def expected_world_size(self):
-        return _env.get_int("ompi_world_size", self.env)
+        return envvars.get_int("ompi_world_size", self.env)
 
     def size_variable(self):
         return "OMPI_COMM_WORLD_SIZE"
@@ -73,10 +73,10 @@ class HydraLauncher(MPILauncher):
 
     @classmethod
     def detect(cls, env):
-        return _env.is_set("hydra_local_rank", env)
+        return envvars.is_set("hydra_local_rank", env)
 
     def expected_world_size(self):
-        return _env.get_int("pmi_size", self.env)
+        return envvars.get_int("pmi_size", self.env)
 
     def size_variable(self):
         return "PMI_SIZE"
@@ -105,13 +105,14 @@ class PMILauncher(MPILauncher):
 
     @classmethod
     def detect(cls, env):
-        return _env.is_set("pmi_size", env) or _env.is_set("mvapich_world_size", env)
+        return envvars.is_set("pmi_size", env) or envvars.is_set("mvapich_world_size", env)
 
     def expected_world_size(self):
-        return _env.get_int("pmi_size", self.env) or _env.get_int("mvapich_world_size", self.env)
+        return (envvars.get_int("pmi_size", self.env)
+                or envvars.get_int("mvapich_world_size", self.env))
 
     def size_variable(self):
-        return _env.source_name("pmi_size", self.env) or "MV2_COMM_WORLD_SIZE"
+        return envvars.source_name("pmi_size", self.env) or "MV2_COMM_WORLD_SIZE"
 
 
 # Each MPI launcher's marker variable (detect() looks for it) and the variables it sets.
@@ -121,7 +122,7 @@ MARKERS = {
 }
 
 
-def leftover_notes(env: _env.Snapshot, launcher: Launcher, mpi_library: str) -> list[str]:
+def leftover_notes(env: envvars.Snapshot, launcher: Launcher, mpi_library: str) -> list[str]:
     """Warnings for the variables of another MPI's launcher, when `launcher` (of the family of
     the library mpi4py loaded) started this process: they were left over from another launch."""
     family = mpi_family(mpi_library)
@@ -129,11 +130,11 @@ def leftover_notes(env: _env.Snapshot, launcher: Launcher, mpi_library: str) -> 
         return []
     notes = []
     for cls, (logical, siblings) in MARKERS.items():
-        variable = _env.source_name(logical, env)
+        variable = envvars.source_name(logical, env)
         if family in cls.families or variable is None:
             continue
         message = (
-            f"{variable}={_env.get(logical, env)!r} is set as if {cls.name} had started this "
+            f"{variable}={envvars.get(logical, env)!r} is set as if {cls.name} had started this "
             f"process, but {launcher.name} did ({launcher.size_variable()}="
             f"{launcher.expected_world_size()}; mpi4py loaded {_first_line(mpi_library)!r}): "
             f"{variable} was left over from another launch (exported by hand, or inherited by an "
@@ -144,14 +145,15 @@ def leftover_notes(env: _env.Snapshot, launcher: Launcher, mpi_library: str) -> 
     return notes
 
 
-def check_pmix_before_init(launcher: Launcher, env: _env.Snapshot, mpi_library: str) -> None:
+def check_pmix_before_init(launcher: Launcher, env: envvars.Snapshot, mpi_library: str) -> None:
     """Refuse, before MPI_Init, a process that a PMIx launcher (Open MPI's mpirun, `srun
     --mpi=pmix`) started when mpi4py loaded an MPICH built without PMIx: that MPI_Init aborts
     the process ("unsupported PMI version PMIx", measured with the pip wheel), leaving nothing
     to explain why."""
     if mpi_family(mpi_library) != "mpich" or "pmix" in mpi_library.lower():
         return
-    pmix = [(_env.source_name(n, env), _env.get(n, env)) for n in ("pmix_rank", "pmix_namespace")]
+    pmix = [(envvars.source_name(n, env), envvars.get(n, env))
+            for n in ("pmix_rank", "pmix_namespace")]
     said = [f"{variable}={value!r}" for variable, value in pmix if value is not None]
     if not said:
         return

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from .. import _env
+from .. import envvars
 from ..errors import LaunchError, with_hint
 from .base import Launcher, ProcessInfo, layout_from_node_keys, mpi_family
 from .slurm_facts import Runs, SlurmFacts, runs_of, runs_text
@@ -49,11 +49,11 @@ class SrunLauncher(Launcher):
     @classmethod
     def detect(cls, env):
         return (
-            _env.is_set("slurm_step_num_tasks", env) and _env.is_set("slurm_procid", env)
+            envvars.is_set("slurm_step_num_tasks", env) and envvars.is_set("slurm_procid", env)
         )
 
     def expected_world_size(self):
-        return _env.get_int("slurm_step_num_tasks", self.env)
+        return envvars.get_int("slurm_step_num_tasks", self.env)
 
     def size_variable(self):
         return "SLURM_STEP_NUM_TASKS"
@@ -61,13 +61,13 @@ class SrunLauncher(Launcher):
     def node_key(self):
         # Slurm's node, not the shared-memory domain: simulated nodes share one host, and on real
         # clusters the two agree. GPU binding and SLURM_LOCALID follow Slurm's node.
-        nodename = _env.get("slurm_nodename", self.env)
+        nodename = envvars.get("slurm_nodename", self.env)
         if nodename is not None:
             return nodename
-        return _env.get_int("slurm_nodeid", self.env)
+        return envvars.get_int("slurm_nodeid", self.env)
 
     def singleton_hint(self, mpi_library):
-        return srun_mpi_hint(mpi_library, _env.get("slurm_mpi_type", self.env))
+        return srun_mpi_hint(mpi_library, envvars.get("slurm_mpi_type", self.env))
 
     def mismatch_hint(self, mpi_library):
         return (
@@ -94,7 +94,7 @@ class SlurmBatchShell(Launcher):
 
     @classmethod
     def detect(cls, env):
-        return _env.is_set("slurm_job_id", env)
+        return envvars.is_set("slurm_job_id", env)
 
     def expected_world_size(self):
         return None

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import hostlist
 
-from .. import _env
-from .._env import Snapshot
+from .. import envvars
+from ..envvars import Snapshot
 from ..errors import LaunchError
 
 
@@ -80,32 +80,32 @@ class SlurmFacts:
     @classmethod
     def from_env(cls, env: Snapshot) -> SlurmFacts:
         def integer(name: str) -> int | None:
-            return _env.get_int(name, env)
+            return envvars.get_int(name, env)
 
         return cls(
-            job_id=_env.get("slurm_job_id", env),
-            array_job_id=_env.get("slurm_array_job_id", env),
-            array_task_id=_env.get("slurm_array_task_id", env),
-            job_name=_env.get("slurm_job_name", env),
+            job_id=envvars.get("slurm_job_id", env),
+            array_job_id=envvars.get("slurm_array_job_id", env),
+            array_task_id=envvars.get("slurm_array_task_id", env),
+            job_name=envvars.get("slurm_job_name", env),
             restart_count=integer("slurm_restart_count"),
-            step_id=_env.get("slurm_step_id", env),
+            step_id=envvars.get("slurm_step_id", env),
             ntasks=integer("slurm_ntasks"),
             step_num_tasks=integer("slurm_step_num_tasks"),
             step_num_nodes=integer("slurm_step_num_nodes"),
             job_num_nodes=integer("slurm_job_num_nodes"),
             ntasks_per_node=integer("slurm_ntasks_per_node"),
-            tasks_per_node=_env.get_runs("slurm_tasks_per_node", env),
-            tasks_per_node_variable=_env.source_name("slurm_tasks_per_node", env),
-            job_cpus_per_node=_env.get_runs("slurm_job_cpus_per_node", env),
+            tasks_per_node=envvars.get_runs("slurm_tasks_per_node", env),
+            tasks_per_node_variable=envvars.source_name("slurm_tasks_per_node", env),
+            job_cpus_per_node=envvars.get_runs("slurm_job_cpus_per_node", env),
             cpus_per_task=integer("slurm_cpus_per_task"),
             procid=integer("slurm_procid"),
             localid=integer("slurm_localid"),
             nodeid=integer("slurm_nodeid"),
-            nodename=_env.get("slurm_nodename", env),
-            nodelist=tuple(expand_nodelist(_env.get("slurm_nodelist", env))),
-            job_nodelist=tuple(expand_nodelist(_env.get("slurm_job_nodelist", env))),
-            mpi_type=_env.get("slurm_mpi_type", env),
-            partition=_env.get("slurm_partition", env),
+            nodename=envvars.get("slurm_nodename", env),
+            nodelist=tuple(expand_nodelist(envvars.get("slurm_nodelist", env))),
+            job_nodelist=tuple(expand_nodelist(envvars.get("slurm_job_nodelist", env))),
+            mpi_type=envvars.get("slurm_mpi_type", env),
+            partition=envvars.get("slurm_partition", env),
         )
 
     @property

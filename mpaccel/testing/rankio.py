@@ -10,7 +10,7 @@ import os
 import runpy
 import sys
 
-from .._env import rank_before_init
+from ..envvars import rank_before_init
 from .launch import start_time
 
 

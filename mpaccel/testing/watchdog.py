@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
-from .. import _env
+from .. import envvars
 from .world import world_rank
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def config_timeout(config: pytest.Config) -> float:
         if value not in (None, ""):
             return _seconds(value, source)
     try:
-        seconds = _env.get_float("test_timeout")
+        seconds = envvars.get_float("test_timeout")
     except ValueError as exc:  # the table's ConfigurationError, naming the variable
         _usage_error(str(exc))
     return DEFAULT_TIMEOUT if seconds is None else seconds

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from .. import _env
+from .. import envvars
 
 
 def world_rank() -> int:
@@ -13,5 +13,5 @@ def world_rank() -> int:
     launcher's word for it, else 0."""
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
-        return _env.rank_before_init() or 0
+        return envvars.rank_before_init() or 0
     return int(MPI.COMM_WORLD.Get_rank())

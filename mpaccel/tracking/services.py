@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .. import _env
+from .. import envvars
 from ..errors import ConfigurationError
 from .base import GeneralTracker, number, numbers_only, on_main_process, skipped
 
@@ -113,7 +113,7 @@ def _tags(tags: Mapping[str, Any] | str | None) -> dict[str, Any] | None:
     if not isinstance(tags, str):
         return None if tags is None else dict(tags)
     try:
-        return _env.JsonObject().parse(tags)
+        return envvars.JsonObject().parse(tags)
     except ValueError as exc:
         raise ConfigurationError(
             f"MLflowTracker(tags={tags!r}): the text is not a JSON object",
@@ -142,12 +142,12 @@ class MLflowTracker(GeneralTracker):
         description: str | None = None,
     ) -> None:
         super().__init__()
-        self.experiment_name = _env.get("mlflow_experiment_name") or experiment_name
+        self.experiment_name = envvars.get("mlflow_experiment_name") or experiment_name
         self.logging_dir = None if logging_dir is None else os.fspath(logging_dir)
-        self.run_id = _env.get("mlflow_run_id") or run_id
-        from_env = _env.get_json("mlflow_tags")
+        self.run_id = envvars.get("mlflow_run_id") or run_id
+        from_env = envvars.get_json("mlflow_tags")
         self.tags = from_env if from_env is not None else _tags(tags)
-        self.nested_run = _env.get_bool("mlflow_nested_run", bool(nested_run))
+        self.nested_run = envvars.get_bool("mlflow_nested_run", bool(nested_run))
         self.run_name = run_name
         self.description = description
         self.active_run: Any = None
@@ -304,8 +304,8 @@ class ClearMLTracker(GeneralTracker):
         """The keyword arguments `start()` gives `Task.init` when no task is running."""
         arguments = dict(self.init_kwargs)
         name = self.user_provided_run_name
-        arguments.setdefault("project_name", _env.get("clearml_project") or name)
-        arguments.setdefault("task_name", _env.get("clearml_task") or name)
+        arguments.setdefault("project_name", envvars.get("clearml_project") or name)
+        arguments.setdefault("task_name", envvars.get("clearml_task") or name)
         return arguments
 
     @property

@@ -317,12 +317,12 @@ __all__ += [
 ]
 
 # Accelerate's names for features mpaccel lacks resolve on first use to refusals with a HINT
-# (mpaccel/_absent.py); not in __all__, and type checkers keep reporting them as absent.
+# (mpaccel/absent_names.py); not in __all__, and type checkers keep reporting them as absent.
 import typing as _typing  # noqa: E402
 
-from .. import _absent  # noqa: E402
+from .. import absent_names  # noqa: E402
 
 if not _typing.TYPE_CHECKING:
 
     def __getattr__(name: str) -> object:
-        return _absent.resolve(__name__, name)
+        return absent_names.resolve(__name__, name)

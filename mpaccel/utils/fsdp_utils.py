@@ -1,6 +1,6 @@
 """Accelerate's `accelerate.utils.fsdp_utils` path: its FSDP checkpoint helpers (mpaccel's,
 from mpaccel.fsdp_checkpoint), `get_parameters_from_modules`, and, resolved on first use, the
-refusals of the internals of Accelerate's FSDP integration (mpaccel/_absent.py)."""
+refusals of the internals of Accelerate's FSDP integration (mpaccel/absent_names.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import _absent
+from .. import absent_names
 from ..fsdp_checkpoint import (
     load_fsdp_model,
     load_fsdp_optimizer,
@@ -47,4 +47,4 @@ __all__ = [
 if not _typing.TYPE_CHECKING:
 
     def __getattr__(name: str) -> object:
-        return _absent.resolve("mpaccel.utils", name)
+        return absent_names.resolve("mpaccel.utils", name)

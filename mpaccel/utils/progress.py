@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from .. import _env
+from .. import envvars
 
 # MPACCEL_PROGRESS values, each to the mode it asks for
 _MODES = {
@@ -90,7 +90,7 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
 
 def _wanted() -> str:
     # the table checks the value (a ConfigurationError naming MPACCEL_PROGRESS otherwise)
-    return _MODES[_env.get_choice("progress") or "auto"]
+    return _MODES[envvars.get_choice("progress") or "auto"]
 
 
 def _auto(stream: Any) -> str:

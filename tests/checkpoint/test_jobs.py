@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from mpaccel import _env
+from mpaccel import envvars
 from mpaccel.checkpoint import CheckpointReader, checkpoints_in, latest_checkpoint
 from mpaccel.testing import run_mpi
 from mpaccel.testing.launch import (
@@ -119,7 +119,7 @@ def test_job_killed_during_save_leaves_last_checkpoint_loadable(tmp_path, delay)
     argv, extra = mpiexec_command(2)
     proc = subprocess.Popen(
         [*argv, sys.executable, "-m", "mpaccel.testing.rankio", str(outdir), script, str(project)],
-        env=_env.child_environment(extra), start_new_session=True,
+        env=envvars.child_environment(extra), start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -163,7 +163,7 @@ def tiny_disk(tmp_path):
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
                             capture_output=True, text=True)
     if result.returncode != 0:
-        if _env.get("ci"):
+        if envvars.get("ci"):
             pytest.fail(f"cannot mount a tmpfs in CI: {result.stderr}")
         pytest.skip(f"needs root to mount a small tmpfs: {result.stderr.strip()}")
     yield mount
@@ -310,7 +310,7 @@ def freezable_disk(tmp_path):
     for step in steps:
         result = subprocess.run(step, capture_output=True, text=True)
         if result.returncode != 0:
-            if _env.get("ci"):
+            if envvars.get("ci"):
                 pytest.fail(f"cannot make a loop file system in CI: {result.stderr}")
             pytest.skip(f"needs root and loop devices: {' '.join(step)}: {result.stderr}")
     yield mount
@@ -335,7 +335,7 @@ def test_a_rank_whose_file_system_hangs_fails_the_save_under_the_timeout(
         proc = subprocess.Popen(
             [*argv, sys.executable, "-m", "mpaccel.testing.rankio", str(outdir), script,
              str(target), "save", repr(str(target))],
-            env=_env.child_environment({**extra, "MPACCEL_TIMEOUT": "8"}),
+            env=envvars.child_environment({**extra, "MPACCEL_TIMEOUT": "8"}),
             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         # A rank whose thread is held in the kernel cannot exit until the file system thaws:
@@ -422,7 +422,7 @@ def test_a_job_killed_during_rotation_keeps_every_complete_checkpoint_loadable(t
         proc = subprocess.Popen(
             [*argv, sys.executable, "-m", "mpaccel.testing.rankio", str(outdir), script,
              str(project), str(limit), "300", mode],
-            env=_env.child_environment(extra), start_new_session=True,
+            env=envvars.child_environment(extra), start_new_session=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         try:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mpaccel import _env
+from mpaccel import envvars
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.slow, pytest.mark.launches, pytest.mark.slurm]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def slurm_env():
                         text=True, timeout=600)
     if up.returncode == 77:
         reason = f"no private Slurm cluster here: {up.stderr.strip()}"
-        if _env.get("ci"):
+        if envvars.get("ci"):
             pytest.fail(reason)
         pytest.skip(reason)
     assert up.returncode == 0, up.stderr
@@ -39,8 +39,8 @@ def slurm_env():
                              check=True).stdout
     extra = dict(re.findall(r"export (\w+)=['\"]?([^'\"\n]*)['\"]?", exports))
     # Jobs inherit this environment: the same Python (with mpaccel, mpi4py and MPICH) as the tests.
-    extra["PATH"] = f"{pathlib.Path(sys.executable).parent}:{_env.child_environment()['PATH']}"
-    env = _env.child_environment(extra)
+    extra["PATH"] = f"{pathlib.Path(sys.executable).parent}:{envvars.child_environment()['PATH']}"
+    env = envvars.child_environment(extra)
     # Jobs need not know which test set the cluster up; and the environment's size alone can
     # trip an MPICH/Slurm pmi2 bug in MPI_Init (docs/slurm.md): this variable's ~70 characters
     # did, every time, on the machine that found it.

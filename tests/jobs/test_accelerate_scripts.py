@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from mpaccel import _env
+from mpaccel import envvars
 from mpaccel.testing import run_mpi
 from tests.jobs.accelerate_shim import ACCELERATE_VERSION, installed_accelerate
 from tests.jobs.accelerate_shim.calls import CALLS, SPLIT_TENSOR_REASON
@@ -33,7 +33,7 @@ def _accelerate_installed():
         found = f"accelerate {version}" if version else "no accelerate"
         reason = (f"Accelerate's test scripts need {' and '.join(missing)} in this Python "
                   f"({found} here); pip install {' '.join(missing)}")
-        if _env.get("ci"):
+        if envvars.get("ci"):
             pytest.fail(reason)
         pytest.skip(reason)
 

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from mpaccel import _env
+from mpaccel import envvars
 from mpaccel.testing import run_mpi
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]  # each test starts its own mpiexec
@@ -109,7 +109,7 @@ def test_profiler_writes_one_trace_per_process(tmp_path):
 def test_tracking_logs_every_epoch_to_tensorboard(tmp_path):
     if importlib.util.find_spec("tensorboard") is None:
         reason = "tensorboard is not installed"
-        if _env.get("ci"):
+        if envvars.get("ci"):
             pytest.fail(reason)
         pytest.skip(reason)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

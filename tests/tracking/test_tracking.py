@@ -482,7 +482,7 @@ def test_get_tracker_without_running_trackers_is_blank_everywhere(comm):
     acc.end_training()
 
 
-# -- the variables Accelerate's trackers read (mpaccel._env's tracker rows) -------------------
+# -- the variables Accelerate's trackers read (mpaccel.envvars's tracker rows) -------------------
 
 
 @pytest.mark.mpi(max_size=2)  # as the test above: mlflow logs on the main process alone
@@ -555,14 +555,14 @@ def test_mlflow_tags_as_json_text_and_flags_as_booleans(monkeypatch):
 
 @pytest.mark.parametrize("value", ["{oops", "[1, 2]", '"text"', "[" * 60_000, "{" * 70_000])
 def test_a_bad_mlflow_tags_variable_is_refused_at_start_up_by_name(value):
-    from mpaccel import _env
+    from mpaccel import envvars
 
     with pytest.raises(ConfigurationError, match=r"^environment variable MLFLOW_TAGS=.* is not "
                        r"a JSON object.*\nHINT: set MLFLOW_TAGS .*docs/tracking.md") as caught:
-        _env.check({"MLFLOW_TAGS": value})
+        envvars.check({"MLFLOW_TAGS": value})
     assert len(str(caught.value)) < 600  # a long value is quoted shortened
     with pytest.raises(ConfigurationError, match="MLFLOW_NESTED_RUN='sometimes' is not a boolean"):
-        _env.check({"MLFLOW_NESTED_RUN": "sometimes"})
+        envvars.check({"MLFLOW_NESTED_RUN": "sometimes"})
 
 
 def test_clearml_names_come_from_kwargs_then_variables_then_run_name(monkeypatch):

@@ -20,7 +20,7 @@ import tty
 
 import pytest
 
-from mpaccel import PartialState, _env
+from mpaccel import PartialState, envvars
 from mpaccel.errors import ConfigurationError
 from mpaccel.testing.launch import mpiexec_command
 from mpaccel.utils import progress, tqdm
@@ -97,7 +97,7 @@ SCRIPT = textwrap.dedent("""
 
 def _launch(n: int, script) -> tuple[list[str], dict[str, str]]:
     argv, extra = mpiexec_command(n)
-    env = _env.child_environment(extra)
+    env = envvars.child_environment(extra)
     env.pop("MPACCEL_PROGRESS", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return [*argv, sys.executable, str(script)], env

@@ -63,7 +63,7 @@ _BIG_MODEL = Reason(
 _LAUNCHER = Reason(
     "machinery of `accelerate launch` and its config files: mpaccel jobs are started by "
     "mpiexec, srun or python and read the launcher's variables once, in one table "
-    "(mpaccel._env)",
+    "(mpaccel.envvars)",
     "`mpiexec -n N python script.py` (docs/launching.md).",
 )
 _ENV_PATCHING = Reason(

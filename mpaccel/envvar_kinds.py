@@ -1,7 +1,7 @@
-"""The kinds of value an environment variable can hold, each with its parser: what mpaccel._env's
+"""The kinds of value an environment variable can hold, each with its parser: what mpaccel.envvars's
 table gives every variable. A parse is bounded: a number has a bounded number of digits, and
 Slurm's compressed lists are counted, never expanded, before they are accepted. Nothing here
-reads the environment (mpaccel._env does, through its table)."""
+reads the environment (mpaccel.envvars does, through its table)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ the values it accepts, and typed getters that parse through that table.
 Launchers consume some of their variables at MPI_Init (MPICH's PMI_*), so discovery takes a
 `snapshot()` before mpi4py initialises MPI, validates it whole (`check`) and works from that
 frozen copy afterwards. The kinds a variable can hold, and their bounded parsers, are
-mpaccel._env_kinds.
+mpaccel.envvar_kinds.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from ._env_kinds import (
+from .envvar_kinds import (
     YEAR,
     Choice,
     Flag,
@@ -174,7 +174,7 @@ def _variable(logical: str) -> Variable:
     try:
         return VARIABLES[logical]
     except KeyError:
-        raise KeyError(f"mpaccel._env has no variable named {logical!r}") from None
+        raise KeyError(f"mpaccel.envvars has no variable named {logical!r}") from None
 
 
 def source_name(logical: str, env: Mapping[str, str] | None = None) -> str | None:
