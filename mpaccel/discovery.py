@@ -310,3 +310,39 @@ def emit_warnings(discovery: Discovery) -> None:
     if discovery.info.is_main_process:
         for note in discovery.warnings:
             warnings.warn(note, MpaccelRuntimeWarning, stacklevel=3)
+
+
+# -- once per process ----------------------------------------------------------------------
+# PartialState and the pytest plugin share the job's Discovery through these. They live here,
+# not in state.py, so that a process that only needs discovery (the plugin of a test session
+# under mpiexec, a control-only script) does not import torch: 1.0-1.4 s of CPU per rank.
+
+DEFAULT_TIMEOUT = 1800.0  # seconds, like torch.distributed's default; MPACCEL_TIMEOUT overrides
+
+_discovery: Discovery | None = None
+
+
+def discover_once(timeout: float, problem: MpaccelError | None = None) -> Discovery:
+    """Collective the first time (every rank must call it): the job's Discovery, made once per
+    process and kept across `_reset_state()`; later calls return it without communicating.
+
+    Args:
+        timeout: seconds the discovery's collectives may wait for the other ranks.
+        problem: this rank's own error, raised on every rank once MPI is up (see
+            `discovery.discover`), so that no rank is left waiting in MPI_Init.
+
+    Raises:
+        MpaccelError: `problem`, or what discovery found wrong with the launch.
+    """
+    global _discovery
+    if _discovery is None:
+        _discovery = discover(timeout, problem=problem)
+        emit_warnings(_discovery)
+    elif problem is not None:
+        raise problem
+    return _discovery
+
+
+def discovered() -> Discovery | None:
+    """Not collective. The job's Discovery if `discover_once` has run in this process, else None."""
+    return _discovery

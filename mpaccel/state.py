@@ -31,44 +31,13 @@ from .config import (
     as_timedelta,
 )
 from .device import check_gpus_not_shared, current_device
-from .discovery import Discovery, discover, emit_warnings
+from .discovery import DEFAULT_TIMEOUT, Discovery, discover_once
 from .enums import DistributedType
 from .environments import ProcessInfo
-from .errors import CollectiveError, ConfigurationError, MpaccelError
+from .errors import CollectiveError, ConfigurationError
 from .split import split_inputs
 
 __all__ = ["AcceleratorState", "GradientState", "PartialState"]
-
-DEFAULT_TIMEOUT = 1800.0  # seconds, like torch.distributed's default; MPACCEL_TIMEOUT overrides
-
-_discovery: Discovery | None = None
-
-
-def discover_once(timeout: float, problem: MpaccelError | None = None) -> Discovery:
-    """Collective the first time (every rank must call it): the job's Discovery, made once per
-    process and kept across `_reset_state()`; later calls return it without communicating.
-
-    Args:
-        timeout: seconds the discovery's collectives may wait for the other ranks.
-        problem: this rank's own error, raised on every rank once MPI is up (see
-            `discovery.discover`), so that no rank is left waiting in MPI_Init.
-
-    Raises:
-        MpaccelError: `problem`, or what discovery found wrong with the launch.
-    """
-    global _discovery
-    if _discovery is None:
-        _discovery = discover(timeout, problem=problem)
-        emit_warnings(_discovery)
-    elif problem is not None:
-        raise problem
-    return _discovery
-
-
-def discovered() -> Discovery | None:
-    """Not collective. The job's Discovery if `discover_once` has run in this process, else None."""
-    return _discovery
-
 
 def _limit_threads(found: Discovery) -> None:
     # N ranks on a node each running cores-many intra-op threads thrash; torchrun sets

@@ -49,23 +49,24 @@ def _world_size_from_launcher() -> int:
 
 
 def _discover_job() -> Discovery:
-    """Collective over COMM_WORLD: mpaccel's discovery (state.discover_once), at configure time.
+    """Collective over COMM_WORLD: mpaccel's discovery (discovery.discover_once), at configure
+    time, without importing torch (a test session that never uses it does not pay for it).
 
     Discovery duplicates COMM_WORLD, a blocking collective that a waiting rank cannot abandon:
     inside a test, a rank that failed before its first PartialState() would leave the others
     there until the deadline. Done here, every rank takes part, and tests only ever reuse it
     (reset_state keeps discovery, as does AcceleratorState._reset_state). Its launch checks
     (silent singletons: the launcher says N, MPI sees 1) become a usage error on every rank."""
-    from .. import state
+    from .. import discovery
     from ..errors import ConfigurationError, LaunchError
 
-    timeout, problem = state.DEFAULT_TIMEOUT, None
+    timeout, problem = discovery.DEFAULT_TIMEOUT, None
     try:
         timeout = envvars.get_float("timeout") or timeout
     except ConfigurationError as exc:  # raised on every rank by discovery, naming this one
         problem = exc
     try:
-        return state.discover_once(timeout, problem)
+        return discovery.discover_once(timeout, problem)
     except (LaunchError, ConfigurationError) as exc:
         # The same error on every rank; a real world prints it once, from rank 0, while every
         # silent singleton is a rank 0 of its own and prints it.

@@ -142,9 +142,9 @@ class MPISession:
             self._late_alerts = absent
 
     def _resync_if_needed(self) -> None:
-        from .. import state
+        from ..discovery import discovered
 
-        discovery = state.discovered()
+        discovery = discovered()
         mpaccel_comm = getattr(discovery, "comm", None)
         broken = int(bool(getattr(mpaccel_comm, "broken", False)))
         if self.comm.allreduce(broken, "max", "pytest resync check"):

@@ -33,6 +33,22 @@ def _summary(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def test_a_session_under_mpiexec_imports_no_torch_of_its_own(tmp_path):
+    # The plugin discovers the job at configure time; that took state.py, and torch with it
+    # (1.0-1.4 s of CPU per rank, 3.5x the whole cost of a 2-rank session of one test).
+    run = _run_pytest(
+        tmp_path,
+        """
+        import sys
+        def test_no_torch(comm):
+            assert comm.size == 2
+            assert "torch" not in sys.modules, "the session imported torch"
+    """,
+        2,
+    )
+    assert run.returncode == 0 and "1 passed" in _summary(run.stdout[0]), run.describe()
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_all_pass_one_report(tmp_path, n):
     run = _run_pytest(
