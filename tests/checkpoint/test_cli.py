@@ -223,7 +223,7 @@ def commands():
 
 
 def test_verify_of_shards_with_damaged_hdf5_metadata_says_one_line(tmp_path, commands):
-    """120 shards, each with one byte of HDF5's own metadata (superblock, object headers, heaps:
+    """48 shards, each with one byte of HDF5's own metadata (superblock, object headers, heaps:
     anything but the tensors' data) changed: `ckpt verify` exits 0 with every tensor verified
     (a byte HDF5 does not use) or 1 with a first line naming the file, never a traceback (a
     damaged object header raised KeyError out of h5py)."""
@@ -240,7 +240,7 @@ def test_verify_of_shards_with_damaged_hdf5_metadata_says_one_line(tmp_path, com
     metadata = [i for i in range(size) if i not in data]
     rng = random.Random(18)
     outcomes = {0: 0, 1: 0}
-    for case, position in enumerate(sorted(rng.sample(metadata, 120))):
+    for case, position in enumerate(sorted(rng.sample(metadata, 48))):
         directory = tmp_path / f"fuzz{case}"
         shutil.copytree(tmp_path / "good", directory)
         with open(directory / shard, "r+b") as f:
@@ -257,7 +257,7 @@ def test_verify_of_shards_with_damaged_hdf5_metadata_says_one_line(tmp_path, com
         else:
             assert str(directory / shard) in err.splitlines()[0], where
         shutil.rmtree(directory)
-    assert outcomes[1] >= 20, outcomes  # (31 here: HDF5 leaves much of its metadata unused)
+    assert outcomes[1] >= 8, outcomes  # (11 here: HDF5 leaves much of its metadata unused)
 
 
 def test_export_refuses_numpy_values_in_the_model_state(tmp_path):

@@ -395,6 +395,8 @@ def test_a_script_may_end_right_after_a_collective(tmp_path, last):
     # the fix (distributed.settle_gloo_workers), a script ending right then aborted at exit
     # ("terminate called without an active exception"): about half of the 4-rank runs on this
     # 2-core machine after a collective, 4 of 30 2-rank runs under load after a backward.
+    # One run per kind of collective: a return of the abort shows in the four together with
+    # a chance of about 15 in 16 (two runs each cost 37 s of CPU more for the last 1 in 16).
     script = _script(
         tmp_path,
         f"""
@@ -405,10 +407,9 @@ def test_a_script_may_end_right_after_a_collective(tmp_path, last):
         {_LAST_STEPS[last]}
     """,
     )
-    for _ in range(2):
-        run = run_mpi([script], n=4, timeout=120)
-        assert run.returncode == 0 and not run.timed_out, run.describe()
-        assert not any("terminate called" in err for err in run.stderr), run.describe()
+    run = run_mpi([script], n=4, timeout=120)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert not any("terminate called" in err for err in run.stderr), run.describe()
 
 
 def test_a_rank_prefix_gives_one_rank_its_own_environment(tmp_path):

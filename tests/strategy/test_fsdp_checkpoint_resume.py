@@ -117,7 +117,7 @@ print(mode, acc.num_processes, "gradients equal", flush=True)
 @pytest.mark.launches
 @pytest.mark.mpi(size=1)  # nests mpiexec
 @pytest.mark.mpi_timeout(900)
-def test_gradients_saved_at_4_load_at_1_2_and_3(tmp_path):
+def test_gradients_saved_at_4_load_at_1_and_3(tmp_path):
     from pathlib import Path
 
     from mpaccel.testing import run_mpi
@@ -127,6 +127,6 @@ def test_gradients_saved_at_4_load_at_1_2_and_3(tmp_path):
     directory = str(tmp_path / "ckpt")
     run = run_mpi([str(script), "save", directory], n=4, timeout=300).check()
     assert "saved 4" in run.stdout[0], run.describe()
-    for n in (1, 2, 3):
+    for n in (1, 3):  # whole, and split unevenly across the saved shards' bounds
         run = run_mpi([str(script), "load", directory], n=n, timeout=300).check()
         assert f"load {n} gradients equal" in run.stdout[0], run.describe()
