@@ -102,6 +102,8 @@ openmpi_stages() {
 # size-1 pass (198 s of 1624) while the chain beside that pass had ended 360 s before it.
 beside_slurm() {
   pytest_stage size-1-slurm -- -m slurm tests
+  # whole-job tests the size-1 pass hands over, so that the two end about together
+  pytest_stage size-1-second -- -m "second_process and not slurm" tests
   if [ "${OVERLAP:-1}" = 1 ]; then
     mpich_stage 1; mpich_stage 2; openmpi_stages; mpich_stage 4
   fi
@@ -125,7 +127,7 @@ beside gpu run_stage gpu env VENV="$VENV" CUDA_VISIBLE_DEVICES= bash scripts/tes
 # timeout) far longer than they compute. The Slurm tests share one cluster: they run in a
 # process of their own, one at a time, beside the others (run by pytest-xdist workers).
 beside size-1-slurm beside_slurm
-pytest_stage size-1 -- -n "$SIZE1_WORKERS" -m "not slurm" tests
+pytest_stage size-1 -- -n "$SIZE1_WORKERS" -m "not slurm and not second_process" tests
 join_beside
 if [ "${OVERLAP:-1}" != 1 ]; then
   mpich_stage 1; mpich_stage 2; mpich_stage 4; openmpi_stages

@@ -17,7 +17,9 @@ from mpaccel.testing import run_mpi
 from tests.jobs.accelerate_shim import ACCELERATE_VERSION, installed_accelerate
 from tests.jobs.accelerate_shim.calls import CALLS, SPLIT_TENSOR_REASON
 
-pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]  # each test starts its own mpiexec
+# Each test starts its own mpiexec. CI runs these after the Slurm tests, in their process: the
+# Slurm tests mostly wait, and the size-1 pass's workers were the longer of the two.
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches, pytest.mark.second_process]
 RUN = pathlib.Path(__file__).resolve().parent / "accelerate_shim" / "run.py"
 TIMEOUT = 240  # below the plugin's per-test deadline (300 s), which would dump stacks
 
