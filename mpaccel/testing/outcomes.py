@@ -54,6 +54,9 @@ class PhaseOutcome:
     # (what, reason, returncode): pytest.exit(reason, returncode) called on this rank, what
     # being "called pytest.exit", or a KeyboardInterrupt, "was interrupted"
     exit: tuple[str, str, int | None] | None
+    # mpaccel's own communicator on this rank was left unusable (a collective abandoned): every
+    # rank then resynchronises it before the next phase
+    broken: bool = False
 
     @classmethod
     def of(
@@ -62,6 +65,7 @@ class PhaseOutcome:
         secondary: bool,
         alerted: bool,
         exit: tuple[str, str, int | None] | None,
+        broken: bool = False,
     ) -> PhaseOutcome:
         reason = None
         if report.skipped and isinstance(report.longrepr, tuple):
@@ -76,6 +80,7 @@ class PhaseOutcome:
             secondary,
             alerted,
             exit,
+            broken,
         )
 
     @property

@@ -35,6 +35,13 @@ def session_of(config: pytest.Config) -> MPISession | None:
     return config.stash.get(KEY, None)
 
 
+
+def _mpaccel_comm() -> Any:
+    """The communicator of mpaccel's own discovery in this process (None before any)."""
+    from ..discovery import discovered
+
+    return getattr(discovered(), "comm", None)
+
 class MPISession:
     """Everything the plugin keeps for one run under MPI; registered as a plugin of its own,
     for the hooks that only matter under MPI."""
@@ -106,8 +113,12 @@ class MPISession:
             # others are waiting in (a fixture's, the body's): tell them at once.
             word = "xfailed" if hasattr(report, "wasxfail") else report.outcome
             self._post(f"{report.nodeid} {word} in {report.when} on rank {self.rank}")
-        mine = PhaseOutcome.of(report, secondary, self._alerted, self._exit)
+        mpaccel_comm = _mpaccel_comm()
+        broken = bool(getattr(mpaccel_comm, "broken", False))
+        mine = PhaseOutcome.of(report, secondary, self._alerted, self._exit, broken)
         self._alerted, self._exit = False, None
+        # One collective per phase: the outcomes and whether a rank's communicator needs a
+        # resync travel together (two collectives cost 32 ms a test at 4 ranks on 2 cores).
         outcomes: list[PhaseOutcome] = self.comm.allgather(mine, what="pytest outcome exchange")
         ids = {(o.nodeid, o.when) for o in outcomes}
         if len(ids) != 1:
@@ -117,7 +128,8 @@ class MPISession:
         alerted = [r for r, o in enumerate(outcomes) if o.alerted and r not in exits]
         self.alerts.drain(self._late_alerts + alerted)
         self._late_alerts = []
-        self._resync_if_needed()
+        if any(o.broken for o in outcomes):
+            mpaccel_comm.resync()
         if exits:
             # The alerts of the ranks that exited stay pending until the session's teardown is
             # over: a fixture there waiting in a collective for them gives up (see sessionfinish).
@@ -140,15 +152,6 @@ class MPISession:
                     "run the test body"
                 )
             self._late_alerts = absent
-
-    def _resync_if_needed(self) -> None:
-        from ..discovery import discovered
-
-        discovery = discovered()
-        mpaccel_comm = getattr(discovery, "comm", None)
-        broken = int(bool(getattr(mpaccel_comm, "broken", False)))
-        if self.comm.allreduce(broken, "max", "pytest resync check"):
-            mpaccel_comm.resync()  # type: ignore[union-attr]
 
     def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:
         """Around one phase: pytest.exit (or KeyboardInterrupt) on this rank alone would leave
