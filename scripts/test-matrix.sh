@@ -12,6 +12,12 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 MPIEXEC=$VENV/bin/mpiexec
+# The size-1 stages' processes (two pytest-xdist workers, the Slurm tests' process, the
+# one-process jobs their tests start) share 2 cores with the MPI stages beside them: torch's
+# default of one intra-op thread per core only oversubscribes them (21 % more CPU for the same
+# in-process tests, measured). Jobs of several ranks get one thread each from mpaccel anyway.
+# The MPI stages keep torch's default, which tests/test_discovery.py checks mpaccel adjusts.
+ONE_THREAD=(env OMP_NUM_THREADS=1)
 # A stage past this many seconds is ended and fails the run: a deadlock fails fast. The size-1
 # pass took 848-867 s at the last measured landing and over 1200 s in this stop's fresh-clone
 # runs (on a machine also running other work; issue 27/28 closing note): 2400 keeps a slow but
@@ -101,9 +107,9 @@ openmpi_stages() {
 # its tests spend waiting. mpich-n4 comes last: in a fresh-clone run it ran alone after the
 # size-1 pass (198 s of 1624) while the chain beside that pass had ended 360 s before it.
 beside_slurm() {
-  pytest_stage size-1-slurm -- -m slurm tests
+  pytest_stage size-1-slurm "${ONE_THREAD[@]}" -- -m slurm tests
   # whole-job tests the size-1 pass hands over, so that the two end about together
-  pytest_stage size-1-second -- -m "second_process and not slurm" tests
+  pytest_stage size-1-second "${ONE_THREAD[@]}" -- -m "second_process and not slurm" tests
   if [ "${OVERLAP:-1}" = 1 ]; then
     mpich_stage 1; mpich_stage 2; openmpi_stages; mpich_stage 4
   fi
@@ -127,7 +133,7 @@ beside gpu run_stage gpu env VENV="$VENV" CUDA_VISIBLE_DEVICES= bash scripts/tes
 # timeout) far longer than they compute. The Slurm tests share one cluster: they run in a
 # process of their own, one at a time, beside the others (run by pytest-xdist workers).
 beside size-1-slurm beside_slurm
-pytest_stage size-1 -- -n "$SIZE1_WORKERS" -m "not slurm and not second_process" tests
+pytest_stage size-1 "${ONE_THREAD[@]}" -- -n "$SIZE1_WORKERS" -m "not slurm and not second_process" tests
 join_beside
 if [ "${OVERLAP:-1}" != 1 ]; then
   mpich_stage 1; mpich_stage 2; mpich_stage 4; openmpi_stages
