@@ -17,9 +17,11 @@ from mpaccel.testing import run_mpi
 from tests.jobs.accelerate_shim import ACCELERATE_VERSION, installed_accelerate
 from tests.jobs.accelerate_shim.calls import CALLS, SPLIT_TENSOR_REASON
 
-# Each test starts its own mpiexec. CI runs these after the Slurm tests, in their process: the
-# Slurm tests mostly wait, and the size-1 pass's workers were the longer of the two.
-pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches, pytest.mark.second_process]
+pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]  # each test starts its own mpiexec
+# The runs at 1 and 4 processes: CI runs them after the Slurm tests, in their process, which
+# mostly waits (all 19 tests there made that process end 200 s after the size-1 pass; none, 200 s
+# before it).
+ASIDE = [pytest.mark.slow, pytest.mark.second_process]
 RUN = pathlib.Path(__file__).resolve().parent / "accelerate_shim" / "run.py"
 TIMEOUT = 240  # below the plugin's per-test deadline (300 s), which would dump stacks
 
@@ -44,12 +46,11 @@ def _accelerate_installed():
 MAIN_RUNS = [
     *[pytest.param(script, n, marks=marks, id=f"{script}-n{n}")
       for script in ("test_ops.py", "test_sync.py", "external_deps/test_metrics.py")
-      for n, marks in ((1, [pytest.mark.slow]), (2, []), (4, [pytest.mark.slow]))],
-    pytest.param("test_script.py", 1, marks=pytest.mark.slow, id="test_script.py-n1"),
+      for n, marks in ((1, ASIDE), (2, []), (4, ASIDE))],
+    pytest.param("test_script.py", 1, marks=ASIDE, id="test_script.py-n1"),
     pytest.param("test_script.py", 2, id="test_script.py-n2"),
     pytest.param("test_script.py", 4, id="test_script.py-n4",
-                 marks=[pytest.mark.slow,
-                        pytest.mark.xfail(strict=True, reason=SPLIT_TENSOR_REASON)]),
+                 marks=[*ASIDE, pytest.mark.xfail(strict=True, reason=SPLIT_TENSOR_REASON)]),
     # it asserts two processes ("this script expects that two GPUs are available")
     pytest.param("test_distributed_data_loop.py", 2, id="test_distributed_data_loop.py-n2"),
     # it counts the GPUs; test_ddp_comm_hook.py is not CPU-applicable (docs/compatibility.md)
