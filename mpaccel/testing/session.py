@@ -35,12 +35,12 @@ def session_of(config: pytest.Config) -> MPISession | None:
     return config.stash.get(KEY, None)
 
 
-
 def _mpaccel_comm() -> Any:
     """The communicator of mpaccel's own discovery in this process (None before any)."""
     from ..discovery import discovered
 
     return getattr(discovered(), "comm", None)
+
 
 class MPISession:
     """Everything the plugin keeps for one run under MPI; registered as a plugin of its own,
