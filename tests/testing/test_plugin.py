@@ -19,12 +19,14 @@ pytestmark = [pytest.mark.mpi(size=1), pytest.mark.launches]
 def _run_pytest(tmp_path, body: str, n: int, *args: str, timeout: float = 180, env=None):
     test_file = tmp_path / "test_throwaway.py"
     test_file.write_text(textwrap.dedent(body))
+    # A session that fails keeps its ranks' temporary files (and says where) for the user to
+    # look at: in the test's own directory, which pytest prunes, not in the machine's /tmp.
     return run_mpi(
         ["-m", "pytest", "-p", "no:cacheprovider", str(test_file), *args],
         n=n,
         timeout=timeout,
         cwd=tmp_path,
-        env=env,
+        env={"TMPDIR": str(tmp_path), **(env or {})},
     )
 
 
@@ -240,9 +242,11 @@ def test_last_failed_reruns_only_the_failure(tmp_path):
             assert comm.rank != 1
     """)
     (tmp_path / "test_lf.py").write_text(body)
-    first = run_mpi(["-m", "pytest", "test_lf.py"], n=2, timeout=180, cwd=tmp_path)
+    tmp = {"TMPDIR": str(tmp_path)}  # where the failing sessions keep their temporary files
+    first = run_mpi(["-m", "pytest", "test_lf.py"], n=2, timeout=180, cwd=tmp_path, env=tmp)
     assert first.returncode == 1 and "1 failed, 1 passed" in _summary(first.stdout[0])
-    again = run_mpi(["-m", "pytest", "--lf", "test_lf.py"], n=2, timeout=180, cwd=tmp_path)
+    again = run_mpi(["-m", "pytest", "--lf", "test_lf.py"], n=2, timeout=180, cwd=tmp_path,
+                    env=tmp)
     assert again.returncode == 1, again.describe()
     assert "1 failed, 1 deselected" in _summary(again.stdout[0]), again.describe()
 
@@ -339,6 +343,8 @@ def test_failure_before_the_first_state_is_reported(tmp_path, where):
     assert run.elapsed < 60
 
 
+# Open MPI's venv is built beside the first size-1 tests: this runs after it, in CI
+@pytest.mark.second_process
 def test_silent_singletons_stop_every_copy(tmp_path):
     # This venv's MPICH mpiexec starting the Open MPI venv's python: each process is a world of
     # one, and without the check each would run the whole suite and report success.
