@@ -37,13 +37,36 @@ export MPACCEL_TEST_CACHE="$REPORTS/cache"
 status=0
 failed_stages=()
 
+CPU_NOW=0
+children_cpu() {  # CPU_NOW: CPU seconds (user + system) of this shell's ended children so far
+  # `times` in this very shell: a subshell (a pipe, $(...)) would count its own children only
+  local _ children
+  times >"$REPORTS/times.$BASHPID"
+  { read -r _; read -r children; } <"$REPORTS/times.$BASHPID"
+  # "1m2.345s 0m0.678s" -> 63
+  CPU_NOW=$(awk '{ s = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); s += t[1] * 60 + t[2] }
+                   printf "%.0f", s }' <<<"$children")
+}
+
+machine_cpu() {  # the machine's CPU seconds since boot: "busy idle steal" (nothing without /proc)
+  [ -r /proc/stat ] || return 0
+  awk -v hz="$(getconf CLK_TCK 2>/dev/null || echo 100)" '/^cpu / {
+    printf "%d %d %d", ($2 + $3 + $4 + $7 + $8) / hz, ($5 + $6) / hz, $9 / hz }' /proc/stat
+}
+MACHINE_AT_START=$(machine_cpu)
+
 run_stage() {  # name, command...
   local name=$1; shift
   echo "::: stage $name: $*"
-  local start=$SECONDS
+  local start=$SECONDS cpu
+  children_cpu; cpu=$CPU_NOW
   timeout --kill-after=30 "$STAGE_TIMEOUT" "$@"
   local rc=$?
-  echo "::: stage $name finished with exit code $rc in $((SECONDS - start)) s"
+  # The CPU its processes used (those of Slurm's jobs run under slurmd, so are not counted):
+  # the stages share 2 cores, so CPU, not wall time, says what a stage costs the run.
+  children_cpu
+  echo "::: stage $name finished with exit code $rc in $((SECONDS - start)) s," \
+    "CPU $((CPU_NOW - cpu)) s"
   case $rc in
     0) ;;
     5) echo "::: stage $name ran NO tests (pytest exit 5): treated as a failure"; status=1; failed_stages+=("$name(no tests)") ;;
@@ -138,6 +161,13 @@ join_beside
 if [ "${OVERLAP:-1}" != 1 ]; then
   mpich_stage 1; mpich_stage 2; mpich_stage 4; openmpi_stages
 fi
+
+# Every process on the machine counts, this run's and any other's: a slow run with more busy
+# seconds than its stages' CPU says the machine was shared.
+read -r busy0 idle0 steal0 <<<"$MACHINE_AT_START"
+read -r busy1 idle1 steal1 <<<"$(machine_cpu)"
+[ -n "${busy1:-}" ] && echo "::: the machine during the run: $((busy1 - busy0)) s busy," \
+  "$((idle1 - idle0)) s idle, $((steal1 - steal0)) s stolen, on $(nproc) cores"
 
 "$PY" - "$REPORTS" "${failed_stages[*]:-}" <<'PYEOF'
 import sys, pathlib, xml.etree.ElementTree as ET
