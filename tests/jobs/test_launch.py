@@ -645,6 +645,8 @@ def test_silent_singleton_from_a_foreign_launcher(tmp_path):
     assert "MPI4PY_LIBMPI=libmpi.so.40" in result.stderr
 
 
+# Open MPI's venv is built beside the first size-1 tests: this runs after it, in CI
+@pytest.mark.second_process
 def test_silent_singletons_under_a_real_foreign_mpiexec(tmp_path):
     # This venv's MPICH mpiexec starting the Open MPI venv's python (CI builds both): Open MPI
     # ignores hydra's PMI_* and every process initialises a world of its own. (The other way
