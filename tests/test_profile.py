@@ -71,8 +71,10 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_profile_traces_names_and_schedule_on_every_rank(tmp_path, n):
+def test_profile_traces_names_and_schedule_on_every_rank(tmp_path):
+    # Two processes: each rank's file name and schedule come from its own rank, so a third and
+    # fourth rank ask nothing new (the run at 4 cost 19 s of CPU, twice the run at 2).
+    n = 2
     script = tmp_path / "profile_ranks.py"
     script.write_text(_SCRIPT)
     run = run_mpi([str(script), str(tmp_path / "out")], n=n, timeout=180).check()
