@@ -158,21 +158,8 @@ def test_srun_layout_on_two_nodes(slurm_env):
     assert rows == [(0, 0, 0, 2, 4), (1, 1, 0, 2, 4), (2, 0, 1, 2, 4), (3, 1, 1, 2, 4)]
 
 
-def test_hybrid_shard_mesh_is_the_nodes_and_trains_across_them(slurm_env):
-    # 2 nodes x 2 tasks: HYBRID_SHARD shards within each node (ranks 0,1 | 2,3) and replicates
-    # across them (0,2 | 1,3), from discovery's node facts: nothing here names the layout.
-    probe = ("import torch; from mpaccel import Accelerator; "
-             "from mpaccel.utils import FullyShardedDataParallelPlugin as P; "
-             "a = Accelerator(fsdp_plugin=P(sharding_strategy='HYBRID_SHARD')); "
-             "m = a.torch_device_mesh; "
-             "w = a.prepare(torch.nn.Linear(4, 6)).weight; "
-             "print(a.process_index, m['dp_shard'].mesh.tolist(), m['dp_replicate'].mesh.tolist(), "
-             "tuple(w.to_local().shape), flush=True)")
-    run = _srun(slurm_env, "--mpi=pmi2", "-N", "2", "--ntasks-per-node=2", "python", "-c", probe)
-    assert run.returncode == 0, run.stderr
-    rows = sorted(line.split(" ", 1) for line in run.stdout.splitlines())
-    assert rows == [["0", "[0, 1] [0, 2] (3, 4)"], ["1", "[0, 1] [1, 3] (3, 4)"],
-                    ["2", "[2, 3] [0, 2] (3, 4)"], ["3", "[2, 3] [1, 3] (3, 4)"]], run.stdout
+def test_hybrid_shard_trains_across_the_nodes(slurm_env):
+    # (which ranks make each mesh group: test_hybrid_shard_save_state_..., below)
     run = _srun(slurm_env, "--mpi=pmi2", "-N", "2", "--ntasks-per-node=2", "python",
                 "examples/train_fsdp.py", "--hybrid", "--epochs", "2", "--samples", "512",
                 timeout=240)
@@ -217,6 +204,9 @@ if mode == "save":
     if acc.is_main_process:
         np.savez(directory + "/reference.npz", **{k: v.numpy() for k, v in saved.items()})
     print("saved", acc.num_processes, tuple(acc.torch_device_mesh.mesh.shape), flush=True)
+    mesh = acc.torch_device_mesh
+    print("mesh", acc.process_index, mesh["dp_shard"].mesh.tolist(),
+          mesh["dp_replicate"].mesh.tolist(), tuple(model[0].weight.to_local().shape), flush=True)
 else:
     # a fresh optimizer has no state to load into yet: give it some, then load over it
     acc.backward(model(torch.ones(1, 4)).sum())
@@ -241,6 +231,12 @@ def test_hybrid_shard_save_state_loads_at_one_process_and_at_two_by_two(slurm_en
     run = _srun(slurm_env, *layout, "python", str(script), "save", str(tmp_path), timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "saved 4 (2, 2)" in run.stdout, run.stdout
+    # HYBRID_SHARD shards within each node (ranks 0,1 | 2,3) and replicates across them
+    # (0,2 | 1,3), from discovery's node facts: nothing here names the layout
+    rows = sorted(line.split(" ", 2)[1:] for line in run.stdout.splitlines()
+                  if line.startswith("mesh "))
+    assert rows == [["0", "[0, 1] [0, 2] (3, 4)"], ["1", "[0, 1] [1, 3] (3, 4)"],
+                    ["2", "[2, 3] [0, 2] (3, 4)"], ["3", "[2, 3] [1, 3] (3, 4)"]], run.stdout
     import json
 
     index = json.loads((tmp_path / "ckpt" / "sharded.index.json").read_text())
