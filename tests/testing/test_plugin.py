@@ -51,8 +51,10 @@ def test_a_session_under_mpiexec_imports_no_torch_of_its_own(tmp_path):
     assert run.returncode == 0 and "1 passed" in _summary(run.stdout[0]), run.describe()
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_all_pass_one_report(tmp_path, n):
+def test_all_pass_one_report(tmp_path):
+    # At 2 processes: CI's mpich-n4 and openmpi-n4 stages are the same at 4, over the suite
+    # (a 4-rank session here cost 13.6 s of CPU to show it again).
+    n = 2
     run = _run_pytest(
         tmp_path,
         """
