@@ -66,7 +66,9 @@ class TensorEntry:
 class RowSlice:
     """Rows `start` to `stop` (exclusive, along dimension 0; a 0-d tensor has one row) of a
     sliced tensor: `nbytes` bytes in `file` at `offset`, C order, with one xxh3 per block of
-    `rows_per_block` rows (the last block may be shorter)."""
+    `rows_per_block` rows (the last block may be shorter). `inner`: for an N-D block (tensor
+    parallelism), its (start, stop) along each dimension after the first; None: all of each,
+    whole rows."""
 
     file: str
     start: int
@@ -75,26 +77,46 @@ class RowSlice:
     nbytes: int
     rows_per_block: int
     xxh3: tuple[str, ...]
+    inner: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def from_json(cls, piece: Mapping[str, Any]) -> RowSlice:
+        inner = piece.get("inner")
         return cls(piece["file"], piece["start"], piece["stop"], piece["offset"],
-                   piece["nbytes"], piece["rows_per_block"], tuple(piece["xxh3"]))
+                   piece["nbytes"], piece["rows_per_block"], tuple(piece["xxh3"]),
+                   None if inner is None else tuple((a, b) for a, b in inner))
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "start": self.start, "stop": self.stop, "offset": self.offset,
-                "nbytes": self.nbytes, "rows_per_block": self.rows_per_block,
-                "xxh3": list(self.xxh3)}
+        out = {"file": self.file, "start": self.start, "stop": self.stop, "offset": self.offset,
+               "nbytes": self.nbytes, "rows_per_block": self.rows_per_block,
+               "xxh3": list(self.xxh3)}
+        if self.inner is not None:
+            out["inner"] = [[a, b] for a, b in self.inner]
+        return out
+
+    def box(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Not collective. (start, stop) along every dimension of a tensor of `shape` (a 0-d
+        one: none)."""
+        if not shape:
+            return (), ()
+        inner = self.inner if self.inner is not None else tuple((0, d) for d in shape[1:])
+        return (self.start, *(a for a, _ in inner)), (self.stop, *(b for _, b in inner))
 
 
 @dataclass(frozen=True, slots=True)
 class SlicedTensor:
     """A tensor of a sharded checkpoint (format 2): its dtype, its global shape, and the slices
-    that hold its rows, in row order, covering each row once."""
+    that hold its rows, in row order, covering each row once; or, where some slice has
+    `inner` (`blocks`), N-D blocks covering each element once."""
 
     dtype: str
     shape: tuple[int, ...]
     slices: tuple[RowSlice, ...]
+
+    @property
+    def blocks(self) -> bool:
+        """Not collective. Its slices are N-D blocks, not whole rows."""
+        return any(piece.inner is not None for piece in self.slices)
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> SlicedTensor:

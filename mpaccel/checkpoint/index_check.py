@@ -201,8 +201,11 @@ def _check_sliced(
                          f"is {show(shape)}: expected at most {MAX_DIMS} sizes >= 0")
         rows = shape[0] if shape else 1
         row_bytes = math.prod(shape[1:]) * itemsize
+        pieces = c.get(entry, at, "slices", list)
+        blocks = any(isinstance(piece, dict) and "inner" in piece for piece in pieces)
         end = 0
-        for i, piece in enumerate(c.get(entry, at, "slices", list)):
+        boxes = []
+        for i, piece in enumerate(pieces):
             where = (*at, "slices", i)
             if not isinstance(piece, dict):
                 raise c.fail(where, f"is {show(piece)}: expected a dict")
@@ -211,14 +214,24 @@ def _check_sliced(
                 raise c.fail((*where, "file"), f"is {file!r}, which is not among the shards")
             start = c.integer(piece, where, "start")
             stop = c.integer(piece, where, "stop")
-            if start != end or not start < stop <= rows:
-                raise c.fail(where, f"holds rows {start}..{stop}: expected rows from {end} on, "
-                             f"at most {rows}")
-            end = stop
+            if blocks:  # N-D blocks: in any order, their cover checked below
+                if not start < stop <= rows:
+                    raise c.fail(where, f"holds rows {start}..{stop}: expected rows within "
+                                 f"0..{rows}")
+                inner = (_check_inner(c, piece, where, shape) if "inner" in piece
+                         else [(0, d) for d in shape[1:]])
+                piece_row = math.prod(b - a for a, b in inner) * itemsize
+                boxes.append(((start, *(a for a, _ in inner)), (stop, *(b for _, b in inner))))
+            else:
+                if start != end or not start < stop <= rows:
+                    raise c.fail(where, f"holds rows {start}..{stop}: expected rows from {end} "
+                                 f"on, at most {rows}")
+                end = stop
+                piece_row = row_bytes
             nbytes = c.integer(piece, where, "nbytes")
-            if nbytes != (stop - start) * row_bytes:
+            if nbytes != (stop - start) * piece_row:
                 raise c.fail((*where, "nbytes"), f"is {nbytes}: rows {start}..{stop} of {dtype} "
-                             f"{shape} hold {(stop - start) * row_bytes} bytes")
+                             f"{shape} hold {(stop - start) * piece_row} bytes")
             offset = c.integer(piece, where, "offset")
             per_block = c.integer(piece, where, "rows_per_block", low=1)
             digests = c.get(piece, where, "xxh3", list)
@@ -228,9 +241,74 @@ def _check_sliced(
                 raise c.fail((*where, "xxh3"), f"is {show(digests)}: expected one xxh3 (16 hex "
                              f"digits) per {per_block} rows")
             extents.setdefault(file, []).append((offset, nbytes, at, f"slices[{i}]"))
-        if end != (rows if row_bytes and rows else 0):
+        if blocks:
+            problem = block_cover_problem(shape, boxes)
+            if problem is not None:
+                raise c.fail((*at, "slices"), problem)
+        elif end != (rows if row_bytes and rows else 0):
             raise c.fail((*at, "slices"), f"cover rows 0..{end} of {rows}")
     return sliced
+
+
+def _check_inner(c: Checker, piece: dict, where: tuple, shape: list) -> list[tuple[int, int]]:
+    """A block's `inner`: [start, stop] along each dimension after the first, inside the
+    tensor and not empty."""
+    inner = c.get(piece, where, "inner", list)
+    if len(shape) < 2 or len(inner) != len(shape) - 1:
+        raise c.fail((*where, "inner"), f"is {show(inner)}: expected {max(0, len(shape) - 1)} "
+                     f"[start, stop] pairs for shape {shape}")
+    out = []
+    for d, pair in enumerate(inner, start=1):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(is_int(v) for v in pair)
+                and 0 <= pair[0] < pair[1] <= shape[d]):
+            raise c.fail((*where, "inner", d - 1), f"is {show(pair)}: expected [start, stop] "
+                         f"with 0 <= start < stop <= {shape[d]}")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def slice_box(piece: dict, shape: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Not collective. (start, stop) along every dimension of a slice entry (its rows, and
+    `inner` where it has one)."""
+    inner = piece.get("inner") or [[0, d] for d in shape[1:]]
+    return ((piece["start"], *(a for a, _ in inner)), (piece["stop"], *(b for _, b in inner)))
+
+
+MAX_GRID_CELLS = 1 << 22  # cells of the grid of block bounds a cover check may paint
+
+
+def block_cover_problem(shape: list[int] | tuple[int, ...],
+                        boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+    """Not collective. Where N-D blocks ((start, stop) per dimension, each inside the tensor)
+    do not cover a tensor of `shape` exactly once, in words (None: they do). The blocks' bounds
+    cut each dimension into intervals; the blocks are painted onto that grid (one cell per
+    interval product, as many as the blocks in a layout on a mesh), so the check costs the
+    grid's size, which is bounded: a layout cut finer than blocks on a mesh make is refused."""
+    total = math.prod(shape)
+    volume = sum(math.prod(b - a for a, b in zip(start, stop)) for start, stop in boxes)
+    if volume != total:
+        return (f"hold {volume} elements in {len(boxes)} block(s) of a tensor of {total}: "
+                "elements are missing or stored twice")
+    if not boxes:
+        return None
+    cuts = [np.unique(np.array([0, size] + [b[0][d] for b in boxes] + [b[1][d] for b in boxes]))
+            for d, size in enumerate(shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > max(MAX_GRID_CELLS // 64, 64 * len(boxes)) or cells > MAX_GRID_CELLS:
+        return (f"cut the tensor into a grid of {cells} cells with {len(boxes)} blocks: not "
+                "a layout of blocks on a device mesh")
+    grid = np.zeros([len(c) - 1 for c in cuts], np.uint8)
+    for i, (start, stop) in enumerate(boxes):
+        region = grid[tuple(slice(int(np.searchsorted(c, a)), int(np.searchsorted(c, b)))
+                            for c, a, b in zip(cuts, start, stop))]
+        if region.any():
+            return f"block {i} ({_box_text(start, stop)}) overlaps another block"
+        region += 1
+    return None
+
+
+def _box_text(start: tuple[int, ...], stop: tuple[int, ...]) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(start, stop)) + "]"
 
 
 _INT = {int}

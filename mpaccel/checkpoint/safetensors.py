@@ -17,6 +17,7 @@ the same steps run on that rank.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import uuid
@@ -24,12 +25,13 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..comm import Comm, agreement
 from ..errors import CheckpointCollectiveError, CheckpointError, MpaccelRuntimeWarning
 from .format import parse_size
-from .sharded.save import Rows, dtensor_rows
+from .sharded.save import Box, Rows, block_runs, dtensor_rows
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -258,13 +260,14 @@ def save_rows(comm: Comm, state: Mapping[str, Any], directory: str,
         names = file_names(len(shards))
         if comm.rank == 0:
             os.makedirs(directory, exist_ok=True)
-    covered = comm.allgather({k: (r.start, r.stop) for k, (r, _) in mine.items()}, what=what)
+    covered = comm.allgather({k: _held(r, local) for k, (r, local) in mine.items()}, what=what)
     with agreement(comm, what + " (checking the rows)", kind=CheckpointCollectiveError):
         for key, (_, shape, nbytes) in meta.items():
-            rows = sum(stop - start for part in covered for start, stop in [part.get(key, (0, 0))])
-            if nbytes and rows != (shape[0] if shape else 1):
+            held = sum(part.get(key, 0) for part in covered)
+            if nbytes and held != math.prod(shape):
                 raise CheckpointError(
-                    f"save_model: the ranks that called it hold {rows} of the rows of {key!r}",
+                    f"save_model: the ranks that called it hold {held} of the "
+                    f"{math.prod(shape)} elements of {key!r}",
                     "under FSDP every rank must call save_model (not only the main process).",
                 )
     token = comm.bcast(uuid.uuid4().hex[:8] if comm.rank == 0 else None, what=what)
@@ -294,10 +297,10 @@ def save_rows(comm: Comm, state: Mapping[str, Any], directory: str,
             try:
                 for key in todo:
                     rows, local = mine[key]
-                    data = local.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                    row_bytes = meta[key][2] // max(1, meta[key][1][0] if meta[key][1] else 1)
-                    os.pwrite(fd, data.numpy().tobytes(),
-                              layout[i][1][key] + rows.start * row_bytes)
+                    flat = local.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                    data = flat.numpy().reshape(*local.shape, local.element_size())
+                    for at, run in _runs(rows, data):
+                        os.pwrite(fd, run.tobytes(), layout[i][1][key] + at)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -308,6 +311,26 @@ def save_rows(comm: Comm, state: Mapping[str, Any], directory: str,
         if comm.rank == 0:
             _index(directory, names, shards, meta)
     return names
+
+
+def _held(rows: Rows, local: torch.Tensor) -> int:
+    """Elements of a tensor this rank writes."""
+    return sum(box.size for box in rows.boxes) if rows.boxes else int(local.numel())
+
+
+def _runs(rows: Rows, data: Any) -> Any:
+    """(byte offset, bytes) of each run of consecutive elements this rank writes, from `data`
+    (its local tensor as bytes: one dimension more, of each element's bytes)."""
+    itemsize = data.shape[-1]
+    if not rows.shape:
+        yield 0, data.reshape(-1)
+        return
+    shape = (*rows.shape, itemsize)
+    boxes = rows.boxes or (Box((rows.start, *[0] * (len(shape) - 2)), (rows.stop, *shape[1:-1]),
+                               (0,) * (len(shape) - 1)),)
+    for box in boxes:
+        block = np.ascontiguousarray(data[(*box.local_slices(), slice(None))])
+        yield from block_runs(shape, (*box.start, 0), (*box.stop, itemsize), block)
 
 
 def _index(directory: str, names: list[str], shards: list[list[str]],

@@ -1,13 +1,14 @@
 """Full (unsharded) tensors of a sharded state dict, written in save_model's layout (`model`
 stem, shards of at most max_shard_size) without gathering them anywhere: every rank writes its
-own rows straight into the contiguous datasets, at their offsets.
+own rows (or N-D blocks, one run per row of a block of columns; one replica of each) straight
+into the contiguous datasets, at their offsets.
 
 Call sequence of `export_full` (collective, every rank):
   1. every rank takes its local rows and computes the same shard plan from the global shapes;
      rank 0 picks a save id and creates the directory;
   2. shard i's owner (rank i mod N) lays the file out in HDF5 (every dataset's storage
      allocated, no data), fsyncs it, and tells every rank where each dataset lies;
-  3. every rank writes its rows of every tensor at their offsets (pwrite, fsync);
+  3. every rank writes its rows or blocks of every tensor at their offsets (pwrite, fsync);
   4. each owner reads its files back to compute every tensor's xxh3 (the checksum of the whole
      tensor, which no rank holds), and renames them into place;
   5. rank 0 commits `model.index.json` (format 1: load_model_state reads it).
@@ -40,7 +41,7 @@ from ..writer import (
     plan_shards,
     write_step,
 )
-from .save import LocalState, collect_local, row_count
+from .save import LocalState, check_joined, collect_local, held_runs
 
 MODEL_STEM = "model"
 
@@ -75,15 +76,15 @@ def _lay_out(path: str, keys: list[str], local: LocalState) -> dict[str, int | N
 
 def _write_rows(paths: dict[str, str], placed: Mapping[str, tuple[str, int | None]],
                 local: LocalState) -> None:
-    """Write this rank's rows of every tensor at their place in the shard files."""
+    """Write this rank's rows (or N-D blocks) of every tensor at their place in the files."""
     by_file: dict[str, list[tuple[str, int, np.ndarray]]] = {}
-    for key, array in local.arrays.items():
+    for key in [*local.arrays, *local.blocks]:
         name, offset = placed[key]
         if offset is None:
             continue  # written with the file's layout
-        row_bytes = array.nbytes // max(1, row_count(array.shape))
-        start = local.rows[key].start
-        by_file.setdefault(name, []).append((key, offset + start * row_bytes, array))
+        itemsize = local.stored[key].itemsize
+        by_file.setdefault(name, []).extend(
+            (f"{key}@{at}", offset + at * itemsize, run) for at, run in held_runs(local, key))
     for name, regions in by_file.items():
         fd = os.open(paths[name], os.O_WRONLY | os.O_NOFOLLOW)
         try:
@@ -142,6 +143,7 @@ def export_full(
     with agreement(comm, what + " (collecting the state)", kind=CheckpointCollectiveError):
         max_bytes = parse_size(max_shard_size)
         local = collect_local({"model": state_dict}, comm.rank)
+    check_joined(comm, local, what)
     check_same_on_every_rank(comm, what, local.documents, local.layout())
     keys = list(local.rows)
     shards = plan_shards([(k, _nbytes(local, k)) for k in keys], None, max_bytes)

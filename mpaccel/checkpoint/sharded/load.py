@@ -13,6 +13,9 @@ Call sequence of `load_sharded` (collective, every rank, each with its own targe
      cache, as a rule, where the first pass left them. A failure before this step leaves every
      target as it was, on every rank; one in it (a file changed since step 2, an I/O error) is
      still one error on every rank.
+Where either side holds N-D blocks (tensor parallelism), step 2 reads the checksum blocks of
+each saved block that the rank needs into new memory, verifies them, keeps the elements it
+needs (block_tasks), and apply() copies them in after step 3.
 Step 3 reads in place rather than into new memory and then copying: fresh memory costs 1-3 s
 per GiB on these VMs (page faults), more than the disk. Tensors that cannot be read in place
 (another dtype, not contiguous, memory shared with another target, nothing in the target to
@@ -24,6 +27,7 @@ verified there, and copied into the target after step 3.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,7 +43,7 @@ from .. import rawio
 from ..format import checksum, dataset_name, flatten, from_numpy, storage_dtype, unflatten
 from ..index import RowSlice, SlicedTensor, TensorEntry
 from ..reader import CheckpointReader, claim, writable_as
-from .save import SHARDED_STEM, Rows, localize, row_count
+from .save import SHARDED_STEM, Box, Rows, localize, row_count
 
 
 @dataclass
@@ -124,10 +128,11 @@ def plan(reader: CheckpointReader, target: Mapping[str, Any],
             originals[name] = held[1] if held is not None else value
             local_shape = value.shape if value is not None else entry.shape
             stored = _stored(entry, key)
-            view = _in_place(value, entry, stored, claimed) if in_place else None
+            blocks = bool(rows.boxes) or (isinstance(entry, SlicedTensor) and entry.blocks)
+            view = _in_place(value, entry, stored, claimed) if in_place and not blocks else None
             out.items.append(Item(key, entry, rows.start, rows.stop,
                                    None if view is not None else np.empty(local_shape, stored),
-                                   value, view))
+                                   value, view, rows.boxes))
         for name in sorted(saved - set(tensors)):
             key = dataset_name(component, name)
             entry = sliced.get(key) or index.tensors[key]
@@ -169,7 +174,9 @@ def read_plan(reader: CheckpointReader, planned: Plan) -> None:
     verify it in the file. Not collective."""
     tasks: list[rawio.ReadTask] = []
     for item in planned.items:
-        if not isinstance(item.entry, SlicedTensor):
+        if item.boxes or (isinstance(item.entry, SlicedTensor) and item.entry.blocks):
+            tasks += block_tasks(reader, item)
+        elif not isinstance(item.entry, SlicedTensor):
             tasks += whole_tasks(reader, item)
         elif item.out is None:
             tasks += slice_checks(item, spans_of(reader, item))
@@ -274,7 +281,7 @@ def verify_sliced(reader: CheckpointReader) -> tuple[int, list[str]]:
             shape = entry.shape
             item = Item(key, entry, 0, row_count(shape), np.empty(shape, _stored(entry, key)),
                          None)
-            tasks = slice_tasks(reader, item)
+            tasks = (block_tasks if entry.blocks else slice_tasks)(reader, item)
             if tasks:
                 rawio.read_arrays(tasks, read_error)
         except CheckpointError as exc:
@@ -301,6 +308,7 @@ class Item:
     out: np.ndarray | None
     target: torch.Tensor | None
     into: np.ndarray | None = None
+    boxes: tuple[Box, ...] = ()  # the target's N-D blocks, where not rows in one piece (Rows)
 
     @property
     def dest(self) -> np.ndarray:
@@ -460,17 +468,106 @@ def _check_blocks(item: Item, piece: RowSlice, first: int, begin: int,
                   rows: tuple[int, int], exact: bool, path: str, array: np.ndarray) -> None:
     """Verify blocks first.. of a slice read into `array` (from row `begin`); then, unless it
     was read straight into item.out, copy the item's `rows` from it there."""
+    _verify_blocks(item, piece, first, path, array)
+    if not exact:
+        assert item.out is not None
+        low, high = rows
+        rows_view(item.out, low - item.start, high - item.start)[...] = array[
+            low - begin : high - begin]
+
+
+def _verify_blocks(item: Item, piece: RowSlice, first: int, path: str, array: np.ndarray) -> None:
+    """Verify the checksum blocks first.. of a slice, read into `array`."""
     per_block = piece.rows_per_block
     count = 1 if array.ndim == 0 else -(-len(array) // per_block)
     for j in range(count):
         block = array if array.ndim == 0 else array[j * per_block : (j + 1) * per_block]
         if checksum(block) != piece.xxh3[first + j]:
             raise _mismatch(item, piece, first + j, path)
-    if not exact:
-        assert item.out is not None
-        low, high = rows
-        rows_view(item.out, low - item.start, high - item.start)[...] = array[
-            low - begin : high - begin]
+
+
+def target_boxes(item: Item) -> tuple[Box, ...]:
+    """Not collective. The item's blocks: its target's N-D blocks, or its rows as one block."""
+    if item.boxes:
+        return item.boxes
+    shape = tuple(item.entry.shape)
+    if not shape:
+        return (Box((), (), ()),)
+    return (Box((item.start, *[0] * (len(shape) - 1)), (item.stop, *shape[1:]),
+                (0,) * len(shape)),)
+
+
+def _cut(box: Box, start: tuple[int, ...], stop: tuple[int, ...]) -> tuple | None:
+    """(box, low, high): the part of `box` within [start, stop), or None if there is none."""
+    low = tuple(max(a, b) for a, b in zip(box.start, start))
+    high = tuple(min(a, b) for a, b in zip(box.stop, stop))
+    return (box, low, high) if all(a < b for a, b in zip(low, high)) else None
+
+
+def _place(item: Item, cuts: list[tuple], origin: tuple[int, ...], array: np.ndarray) -> None:
+    """Copy each cut (box, low, high) from `array` (whose element 0 is global `origin`) to
+    where the box lies in item.out."""
+    assert item.out is not None
+    for box, low, high in cuts:
+        source = tuple(slice(a - o, b - o) for a, b, o in zip(low, high, origin))
+        dest = tuple(slice(at + a - s, at + b - s)
+                     for a, b, s, at in zip(low, high, box.start, box.local))
+        item.out[dest] = array[source]
+
+
+def _check_and_place(item: Item, piece: RowSlice, first: int, origin: tuple[int, ...],
+                     cuts: list[tuple], path: str, array: np.ndarray) -> None:
+    _verify_blocks(item, piece, first, path, array)
+    _place(item, cuts, origin, array)
+
+
+def _whole_and_place(item: Item, cuts: list[tuple], path: str, array: np.ndarray) -> None:
+    assert isinstance(item.entry, TensorEntry)
+    _check_whole(item.key, item.entry, path, array)
+    _place(item, cuts, (0,) * array.ndim, array)
+
+
+def block_tasks(reader: CheckpointReader, item: Item) -> list[rawio.ReadTask]:
+    """Not collective. Tasks for an item read block by block (N-D blocks on either side:
+    tensor parallelism): of each saved slice, the checksum blocks that hold elements of the
+    item's blocks are read into new memory, verified, and the elements the item needs copied
+    to item.out. From an ordinary checkpoint, the whole tensor (it has one checksum)."""
+    assert item.out is not None
+    entry, shape = item.entry, tuple(item.entry.shape)
+    targets = target_boxes(item)
+    if not item.out.size:
+        return []
+    if isinstance(entry, TensorEntry):
+        cuts = [c for c in (_cut(b, (0,) * len(shape), shape) for b in targets) if c]
+        if entry.offset is None or not _size_recorded(reader, entry.file):
+            _place(item, cuts, (0,) * len(shape), reader.read_array(item.key, entry, verify=True))
+            return []
+        path = reader.path(entry.file)
+        whole = np.empty(shape, item.out.dtype)
+        return [rawio.ReadTask(item.key, path, file_fd(reader, entry.file), entry.offset, whole,
+                               functools.partial(_whole_and_place, item, cuts, path))]
+    tasks = []
+    for piece in entry.slices:
+        start, stop = piece.box(shape)
+        cuts = [c for c in (_cut(b, start, stop) for b in targets) if c]
+        if not cuts:
+            continue
+        per_block = piece.rows_per_block
+        inner = tuple(b - a for a, b in zip(start[1:], stop[1:]))
+        low = min(c[1][0] for c in cuts) if shape else 0
+        high = max(c[2][0] for c in cuts) if shape else 1
+        first = (low - piece.start) // per_block
+        begin = piece.start + first * per_block
+        end = min(piece.stop, piece.start + -(-(high - piece.start) // per_block) * per_block)
+        buffer = np.empty((end - begin, *inner) if shape else (), item.out.dtype)
+        row_bytes = math.prod(inner) * item.out.dtype.itemsize
+        path = reader.path(piece.file)
+        check = functools.partial(_check_and_place, item, piece, first,
+                                  (begin, *start[1:]), cuts, path)
+        tasks.append(rawio.ReadTask(item.key, path, file_fd(reader, piece.file),
+                                    piece.offset + (begin - piece.start) * row_bytes, buffer,
+                                    check))
+    return tasks
 
 
 def whole_tasks(reader: CheckpointReader, item: Item) -> list[rawio.ReadTask]:

@@ -1,12 +1,14 @@
 """Sharded checkpoints of state dicts whose tensors may be DTensors (fully_shard models and their
-optimizers): every rank writes only its own rows, and the index records which file holds which
-rows of each tensor (sharded/load.py loads them at any world size and sharding).
+optimizers, tensor parallelism composed with it): every rank writes only its own elements,
+rows in one piece or N-D blocks, once across replicas, and the index records which file holds
+which rows or blocks of each tensor (sharded/load.py loads them at any world size, sharding
+and mesh).
 
 Call sequence of `save_sharded` (collective, every rank, each with its own shards):
   1. every rank takes its local rows (DTensor.to_local()) and flattens the state; the ranks
      agree that the state's keys, dtypes and global shapes are the same everywhere;
   2. rank 0 picks a save id and creates the directory; all ranks agree it worked;
-  3. each rank writes its rows (Shard(0) slices, and rank 0 the tensors that are not sharded)
+  3. each rank writes its rows or blocks (and rank 0 the tensors that are not DTensors)
      to `<stem>-<id>-rankNNNNN.h5` (temp name, fsync, rename); all ranks agree it worked;
   4. every rank sends its slice entries to rank 0 (a gather: no rank holds the others'),
      rank 0 checks that the slices of every tensor cover it exactly and commits
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import os
 import uuid
@@ -34,6 +37,7 @@ from ...errors import CheckpointCollectiveError, CheckpointError, MpaccelRuntime
 from .. import rawio
 from ..format import checksum, contiguous, dataset_name, dtype_name, flatten, to_numpy
 from ..index import CheckpointIndex, SlicedTensor
+from ..index_check import block_cover_problem, slice_box
 from ..writer import check_same_on_every_rank, commit_index, create_directory, write_h5, write_step
 
 SHARDED_STEM = "sharded"
@@ -42,15 +46,37 @@ BLOCK_BYTES = 4 << 20  # rows are checksummed in blocks of about this size: a pa
 
 
 @dataclass(frozen=True)
+class Box:
+    """A block of a tensor that a rank holds in one piece: the global elements [start, stop)
+    along every dimension, which begin at index `local` of the rank's local tensor."""
+
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    local: tuple[int, ...]
+
+    def local_slices(self) -> tuple[slice, ...]:
+        """Not collective. Where the block lies in the local tensor."""
+        return tuple(slice(at, at + b - a) for at, a, b in zip(self.local, self.start, self.stop))
+
+    @property
+    def size(self) -> int:
+        """Not collective. How many elements the block holds."""
+        return math.prod(b - a for a, b in zip(self.start, self.stop))
+
+
+@dataclass(frozen=True)
 class Rows:
     """The rows [start, stop) of a tensor of `shape` (its global shape) that this rank holds
     (dimension 0; a 0-d tensor has one row), and whether this rank is the one that stores them
-    (the first replica, where a mesh dimension replicates them)."""
+    (the first replica, where a mesh dimension replicates them). `boxes`: where the rank's
+    part is not rows in one piece (a DTensor sharded along another dimension, or strided by
+    tensor parallelism under fully_shard), its blocks; start and stop then bound their rows."""
 
     start: int
     stop: int
     shape: tuple[int, ...]
     writer: bool
+    boxes: tuple[Box, ...] = ()
 
 
 def row_count(shape: tuple[int, ...] | list[int]) -> int:
@@ -58,34 +84,135 @@ def row_count(shape: tuple[int, ...] | list[int]) -> int:
 
 
 def dtensor_rows(value: Any, where: str) -> Rows | None:
-    """Rows of a DTensor (None for a plain tensor: every rank holds all of it)."""
+    """Not collective. The part of a DTensor this rank holds (None for a plain tensor: every
+    rank holds all of it), from its placements on every mesh dimension (Shard, strided shards,
+    Replicate; Partial is refused: its values are not the tensor's yet)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(value, DTensor):
         return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    for placement in value.placements:
-        if placement.is_partial() or (placement.is_shard() and getattr(placement, "dim", 0) != 0):
-            raise CheckpointError(
-                f"cannot store the DTensor at key {where!r}: its placements are "
-                f"{tuple(value.placements)!r}, and sharded checkpoints hold Shard(0) and "
-                "Replicate() placements only",
-                "use fully_shard's default placement (Shard(0)), or call .full_tensor() on "
-                "this value before saving.",
-            )
+    placements = tuple(value.placements)
+    if any(p.is_partial() or not (p.is_replicate() or hasattr(p, "dim")) for p in placements):
+        raise CheckpointError(
+            f"cannot store the DTensor at key {where!r}: its placements are {placements!r}, "
+            "and sharded checkpoints hold sharded and replicated placements only (a Partial "
+            "one holds values not yet reduced)",
+            "save after the step that reduces it, or call .full_tensor() on this value first.",
+        )
     mesh = value.device_mesh
-    local_shape, offset = compute_local_shape_and_global_offset(
-        value.shape, mesh, value.placements
-    )
     coordinate = mesh.get_coordinate()
     writer = coordinate is not None and all(
-        c == 0 for c, p in zip(coordinate, value.placements) if not p.is_shard()
+        c == 0 for c, p in zip(coordinate, placements) if p.is_replicate()
     )
-    shape = tuple(value.shape)
+    shape = tuple(int(d) for d in value.shape)
     if not shape:
         return Rows(0, 1, shape, writer)
-    return Rows(int(offset[0]), int(offset[0]) + int(local_shape[0]), shape, writer)
+    if coordinate is None:  # not in the mesh: it holds nothing
+        return Rows(0, 0, shape, False)
+    boxes = held_boxes(shape, mesh, placements)
+    if not boxes:
+        return Rows(0, 0, shape, writer)
+    if len(boxes) == 1 and boxes[0].start[1:] == (0,) * (len(shape) - 1) and (
+        boxes[0].stop[1:] == shape[1:]
+    ):
+        return Rows(boxes[0].start[0], boxes[0].stop[0], shape, writer)
+    return Rows(min(b.start[0] for b in boxes), max(b.stop[0] for b in boxes), shape, writer,
+                boxes)
+
+
+def held_boxes(shape: tuple[int, ...], mesh: Any, placements: tuple) -> tuple[Box, ...]:
+    """Not collective. The blocks of a tensor of global `shape` that this rank holds when it
+    is laid out by `placements` on `mesh` (this rank in it), in local order. torch decides
+    the layout: each dimension's global indices are those of a small probe that torch's
+    distribute_tensor lays out alike without communicating (src_data_rank=None), so Shard,
+    _StridedShard and their nesting on several mesh dimensions come out as torch places them;
+    each run of consecutive indices is a block along its dimension."""
+    key = (shape, placements, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
+           mesh.device_type, tuple(mesh.get_coordinate() or ()))
+    found = _BOXES.get(key)
+    if found is None:
+        runs = [index_runs(indices) for indices in held_indices(shape, mesh, placements)]
+        found = tuple(
+            Box(tuple(r[1] for r in combo), tuple(r[1] + r[2] for r in combo),
+                tuple(r[0] for r in combo))
+            for combo in itertools.product(*runs)
+        )
+        if len(_BOXES) > 4096:
+            _BOXES.clear()
+        _BOXES[key] = found
+    return found
+
+
+_BOXES: dict[tuple, tuple[Box, ...]] = {}
+
+
+def held_indices(shape: tuple[int, ...], mesh: Any, placements: tuple) -> list[np.ndarray]:
+    """Not collective (no rank communicates: see held_boxes). For each dimension of the
+    tensor, the global indices this rank's local tensor holds."""
+    from torch.distributed.tensor import distribute_tensor
+
+    # Every other dimension of a probe gets a size its shardings split evenly (each mesh
+    # dimension's size times the strided split factor): no rank's probe is empty there.
+    even = [1] * len(shape)
+    for size, p in zip(mesh.mesh.shape, placements):
+        if not p.is_replicate():
+            even[p.dim % len(shape)] *= int(size) * int(getattr(p, "split_factor", 1))
+    out = []
+    for d, extent in enumerate(shape):
+        if extent == 0:
+            out.append(np.empty(0, np.int64))
+            continue
+        view = [1] * len(shape)
+        view[d] = extent
+        probe_shape = list(even)
+        probe_shape[d] = extent
+        probe = torch.arange(extent, dtype=torch.int64).reshape(view).expand(probe_shape)
+        local = distribute_tensor(probe, mesh, list(placements), src_data_rank=None).to_local()
+        line = local[tuple(slice(None) if k == d else 0 for k in range(len(shape)))]
+        out.append(line.cpu().numpy() if local.numel() else np.empty(0, np.int64))
+    return out
+
+
+def index_runs(indices: np.ndarray) -> list[tuple[int, int, int]]:
+    """Not collective. (local start, global start, length) of each run of consecutive global
+    indices."""
+    if not len(indices):
+        return []
+    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [len(indices)]))
+    return [(int(a), int(indices[a]), int(b - a)) for a, b in zip(starts, stops)]
+
+
+def block_runs(shape: tuple[int, ...], start: tuple[int, ...], stop: tuple[int, ...],
+               block: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Not collective. Where the elements [start, stop) of a tensor of `shape`, held as
+    `block` (C order), lie in the whole tensor laid out C order: (element offset, 1-D run of
+    `block`) for each run of consecutive elements: one for rows in one piece, one per row
+    for a block of columns."""
+    if not block.size:
+        return
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    whole = len(shape)  # the dimensions from `whole` on are all in the block
+    while whole > 0 and (start[whole - 1], stop[whole - 1]) == (0, shape[whole - 1]):
+        whole -= 1
+    outer = max(0, whole - 1)  # one run per index of the dimensions before the cut one
+    base = sum(a * st for a, st in zip(start[outer:], strides[outer:]))
+    for index in itertools.product(*(range(a, b) for a, b in zip(start[:outer], stop[:outer]))):
+        at = base + sum(i * st for i, st in zip(index, strides))
+        yield at, block[tuple(i - a for i, a in zip(index, start))].reshape(-1)
+
+
+def held_runs(local: LocalState, key: str) -> Iterator[tuple[int, np.ndarray]]:
+    """Not collective. block_runs of what this rank writes of `key` (its rows, or its
+    blocks)."""
+    shape = local.rows[key].shape
+    if key in local.arrays:
+        rows = local.rows[key]
+        yield from block_runs(shape, (rows.start, *[0] * (len(shape) - 1)),
+                              (rows.stop, *shape[1:]), local.arrays[key])
+    for box, block in local.blocks.get(key, ()):
+        yield from block_runs(shape, box.start, box.stop, block)
 
 
 def localize(tree: Any, prefix: str) -> tuple[Any, dict[int, tuple[Rows, Any]]]:
@@ -120,17 +247,26 @@ class LocalState:
     arrays: dict[str, np.ndarray]  # key -> this rank's rows (only where it is the writer)
     dtypes: dict[str, str]
     rows: dict[str, Rows]
+    # key -> this rank's blocks, where they are not rows in one piece (Rows.boxes; only where
+    # it is the writer): each block's Box and its elements, C order
+    blocks: dict[str, list[tuple[Box, np.ndarray]]] = dataclasses.field(default_factory=dict)
     stored: dict[str, np.dtype] = dataclasses.field(default_factory=dict)  # dtype in the file
     whole: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # held whole here
     # the global ranks of the device meshes its DTensors span, and this rank's among them
     meshes: set[int] = dataclasses.field(default_factory=set)
     mesh_rank: int | None = None
+    # key -> (shape, lowest global rank) of the mesh of a DTensor: meshes of one shape that
+    # do not overlap (tp groups of different data-parallel replicas) hold copies
+    mesh_of: dict[str, tuple[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)
 
     def snapshot(self) -> LocalState:
         """A copy of the local rows (for a save in the background)."""
         return LocalState(self.documents, {k: a.copy() for k, a in self.arrays.items()},
-                          self.dtypes, self.rows, self.stored, meshes=self.meshes,
-                          mesh_rank=self.mesh_rank)
+                          self.dtypes, self.rows,
+                          {k: [(box, a.copy()) for box, a in blocks]
+                           for k, blocks in self.blocks.items()},
+                          self.stored, meshes=self.meshes, mesh_rank=self.mesh_rank,
+                          mesh_of=self.mesh_of)
 
     def layout(self) -> dict:
         return {key: (self.dtypes[key], list(self.rows[key].shape)) for key in sorted(self.rows)}
@@ -156,11 +292,15 @@ def collect_local(state: Mapping[str, Any], rank: int) -> LocalState:
                 rows, mesh = held[0], held[1].device_mesh
                 out.meshes.update(int(r) for r in mesh.mesh.flatten().tolist())
                 out.mesh_rank = int(mesh.get_rank())
+                out.mesh_of[key] = (tuple(mesh.mesh.shape), int(mesh.mesh.min()))
             out.rows[key] = rows
             out.stored[key] = array.dtype
-            if (rows.start, rows.stop) == (0, row_count(rows.shape)):
+            if not rows.boxes and (rows.start, rows.stop) == (0, row_count(rows.shape)):
                 out.whole[key] = array
-            if rows.writer and rows.stop > rows.start and array.nbytes:
+            if rows.writer and rows.boxes:
+                out.blocks[key] = [(box, np.ascontiguousarray(array[box.local_slices()]))
+                                   for box in rows.boxes if box.size]
+            elif rows.writer and rows.stop > rows.start and array.nbytes:
                 out.arrays[key] = array
     return out
 
@@ -168,8 +308,23 @@ def collect_local(state: Mapping[str, Any], rank: int) -> LocalState:
 def check_joined(comm: Comm, local: LocalState, what: str) -> None:
     """Collective, before anything of a save is written: refuse to save sharded state that
     ranks holding rows of it did not join (a rank saving alone: api.who_saves), naming
-    them. Each rank's rows are its own: without theirs no tensor would be whole."""
-    joined = comm.allgather(local.mesh_rank, what=what + " (which ranks save)")
+    them. Each rank's rows are its own: without theirs no tensor would be whole.
+
+    Also where DTensors lie on meshes that do not span the world (tensor parallelism on tp
+    groups, replicated across data-parallel groups without fully_shard): of the meshes of
+    one shape, the one with the lowest rank writes, the copies on the others are dropped
+    from `local` here (each mesh's own replicas are deduplicated by their placements)."""
+    gathered = comm.allgather((local.mesh_rank, sorted(set(local.mesh_of.values()))),
+                              what=what + " (which ranks save)")
+    joined = [rank for rank, _ in gathered]
+    first: dict[tuple[int, ...], int] = {}
+    for _, meshes in gathered:
+        for shape, lowest in meshes:
+            first[shape] = min(lowest, first.get(shape, lowest))
+    for key, (shape, lowest) in local.mesh_of.items():
+        if lowest != first[shape]:
+            local.arrays.pop(key, None)
+            local.blocks.pop(key, None)
     with agreement(comm, what, kind=CheckpointCollectiveError):
         absent = sorted(local.meshes - set(joined))
         if absent:
@@ -194,29 +349,56 @@ def rows_per_block(array: np.ndarray) -> int:
     return max(1, BLOCK_BYTES // max(1, row_bytes))
 
 
-def _write_rank_file(path: str, local: LocalState) -> tuple[dict[str, dict], int]:
-    """This rank's file: its rows of every tensor; returns {key: slice entry} and its size."""
-    entries, size = write_h5(path, local.arrays, local.dtypes)
-    slices = {}
-    for key, array in local.arrays.items():
-        entry = entries[key]
-        if entry.offset is None:
-            raise CheckpointError(f"HDF5 gave {key!r} no contiguous storage in {path!r}")
-        per_block = rows_per_block(array)
-        digests = block_digests(array, per_block) if array.ndim else [entry.xxh3]
-        if len(digests) == 1:
-            digests = [entry.xxh3]
+def block_dataset(key: str, i: int) -> str:
+    """Not collective. The dataset of a rank's file that holds block `i` of its blocks of
+    `key`."""
+    return f"{key}@{i}"
+
+
+def _write_rank_file(path: str, local: LocalState) -> tuple[dict[str, list[dict]], int]:
+    """This rank's file: its rows (or blocks) of every tensor; returns {key: [slice entries]}
+    and its size."""
+    datasets = dict(local.arrays)
+    dtypes = dict(local.dtypes)
+    parts: dict[str, list[tuple[str, Box | None]]] = {key: [(key, None)] for key in local.arrays}
+    for key, blocks in local.blocks.items():
+        parts[key] = []
+        for i, (held, array) in enumerate(blocks):
+            name = block_dataset(key, i)
+            datasets[name], dtypes[name] = array, local.dtypes[key]
+            parts[key].append((name, held))
+    entries, size = write_h5(path, datasets, dtypes)
+    slices: dict[str, list[dict]] = {}
+    for key, names in parts.items():
         rows = local.rows[key]
-        slices[key] = {
-            "file": entry.file, "start": rows.start, "stop": rows.stop,
-            "offset": entry.offset, "nbytes": entry.nbytes,
-            "rows_per_block": per_block, "xxh3": digests,
-        }
+        slices[key] = []
+        for name, box in names:
+            array, entry = datasets[name], entries[name]
+            if entry.offset is None:
+                raise CheckpointError(f"HDF5 gave {name!r} no contiguous storage in {path!r}")
+            per_block = rows_per_block(array)
+            digests = block_digests(array, per_block) if array.ndim else [entry.xxh3]
+            if len(digests) == 1:
+                digests = [entry.xxh3]
+            piece = {
+                "file": entry.file,
+                "start": rows.start if box is None else box.start[0],
+                "stop": rows.stop if box is None else box.stop[0],
+                "offset": entry.offset, "nbytes": entry.nbytes,
+                "rows_per_block": per_block, "xxh3": digests,
+            }
+            if box is not None and (box.start[1:] != (0,) * (len(box.start) - 1)
+                                    or box.stop[1:] != rows.shape[1:]):
+                piece["inner"] = [[a, b] for a, b in zip(box.start[1:], box.stop[1:])]
+            slices[key].append(piece)
     return slices, size
 
 
 def _coverage_error(key: str, shape: list[int], slices: list[dict]) -> str | None:
-    """Where the slices of a tensor do not cover its rows exactly once (None: they do)."""
+    """Where the slices of a tensor do not cover it exactly once (None: they do)."""
+    if any("inner" in piece for piece in slices):
+        problem = block_cover_problem(shape, [slice_box(piece, shape) for piece in slices])
+        return None if problem is None else f"{key!r}: {problem}"
     expected = 0
     for piece in slices:
         if piece["start"] != expected:
@@ -240,11 +422,11 @@ def build_index(
     sizes: dict[str, int] = {}
     for slices, files in gathered:
         sizes.update(files)
-        for key, piece in slices.items():
-            sliced[key]["slices"].append(piece)
+        for key, pieces in slices.items():
+            sliced[key]["slices"].extend(pieces)
     problems = []
     for key, entry in sliced.items():
-        entry["slices"].sort(key=lambda piece: piece["start"])
+        entry["slices"].sort(key=lambda piece: (piece["start"], piece.get("inner", [])))
         problem = _coverage_error(key, entry["shape"], entry["slices"])
         if problem:
             problems.append(problem)
@@ -280,12 +462,13 @@ def write_local(comm: Comm, directory: str, stem: str, local: LocalState,
     name = f"{stem}-{save_id}-rank{comm.rank:05d}.h5"
     path = os.path.join(directory, name)
     written: list[str] = []
-    slices: dict[str, dict] = {}
+    slices: dict[str, list[dict]] = {}
     sizes: dict[str, int] = {}
 
     def write_mine() -> None:
         nonlocal slices
-        if not local.arrays:  # nothing of its own to store (a replica, an empty shard)
+        # nothing of its own to store (a replica, an empty shard)
+        if not local.arrays and not any(local.blocks.values()):
             return
         written.append(path)
         slices, sizes[name] = _write_rank_file(path, local)

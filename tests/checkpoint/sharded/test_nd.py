@@ -1,0 +1,283 @@
+"""N-D sharded checkpoints (checkpoint/sharded/save.py, load.py): tensor parallelism composed
+with fully_shard gives DTensors placed on several mesh dimensions (strided shards, Shard(1),
+Replicate); each rank writes only the blocks it owns, once across replicas, and a load onto
+another mesh (FSDP alone, pure TP, TP with replicas, whole tensors) reads the blocks it needs,
+bit-equal, model and optimizer state.
+
+Each body runs at size 1, 2 and 4 (a 2 x 2 mesh at 4: dp_shard x tp); the meshes are made
+from the ranks there are (`mesh_shape`)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpaccel.checkpoint.sharded.load import load_sharded
+from mpaccel.checkpoint.sharded.save import dtensor_rows, save_sharded
+from mpaccel.checkpoint.writer import write_checkpoint
+from mpaccel.errors import CheckpointCollectiveError
+
+pytestmark = pytest.mark.mpi_timeout(300)
+
+
+def mesh_shape(size: int, kind: str) -> tuple[int, int]:
+    """(data-parallel, tp) sizes of a mesh of `kind` over `size` ranks."""
+    if kind == "nd":  # tp 2 x dp_shard 2 at 4
+        return size // min(size, 2), min(size, 2)
+    if kind == "tp":  # pure tensor parallelism
+        return 1, size
+    if kind == "tp_replicate":  # tp 2 x dp_replicate 2 at 4
+        return size // min(size, 2), min(size, 2)
+    return size, 1  # fsdp: every rank shards
+
+
+def build(kind: str, seed: int, hidden: int = 8, inputs: int = 6) -> torch.nn.Module:
+    """inputs -> hidden -> 4, laid out as `kind` says: "nd" (colwise then rowwise on tp,
+    fully_shard on dp_shard), "tp" (pure TP on every rank), "tp_replicate" (TP on tp, the
+    same on each dp_replicate group), "fsdp" (fully_shard on every rank), "plain"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(hidden, 4))
+    if kind == "plain":
+        return model
+    size = torch.distributed.get_world_size()
+    dp, tp = mesh_shape(size, kind)
+    names = ("dp_replicate" if kind == "tp_replicate" else "dp_shard", "tp")
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=names)
+    if kind != "fsdp":
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if kind in ("nd", "fsdp"):
+        shard_mesh = mesh["dp_shard"]
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=shard_mesh)
+        fully_shard(model, mesh=shard_mesh)
+    return model
+
+
+def stepped(model: torch.nn.Module, lr: float, seed: int, inputs: int = 6):
+    """An Adam that took one step (the same batch on every rank)."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    torch.manual_seed(seed)
+    model(torch.randn(3, inputs)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def full(value):
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def full_state(model, opt, names=("model", "optim")) -> dict[str, torch.Tensor]:
+    """Every tensor of model and optimizer, whole (a gather: for checking only)."""
+    out = {f"{names[0]}/{k}": full(v).detach().clone() for k, v in model.state_dict().items()}
+    for pid, state in opt.state_dict()["state"].items():
+        out.update({f"{names[1]}/{pid}.{k}": full(v).clone() for k, v in state.items()})
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_blocks_are_where_torch_puts_the_elements(group):
+    # Uneven sizes (10 rows over tp 2 then dp 2: 3 + 2 each), checked against the unsharded
+    # model of the same seed, not against a gather: what each rank holds at each block.
+    plain = build("plain", 7, hidden=10, inputs=5)
+    model = build("nd", 7, hidden=10, inputs=5)
+    reference = plain.state_dict()
+    for key, value in model.state_dict().items():
+        rows = dtensor_rows(value, key)
+        assert rows is not None, key
+        local = value.to_local()
+        boxes = rows.boxes or ()
+        if boxes:
+            assert sum(box.size for box in boxes) == local.numel(), key
+            for box in boxes:
+                part = reference[key][tuple(slice(a, b) for a, b in zip(box.start, box.stop))]
+                assert torch.equal(local[box.local_slices()], part), (key, box)
+        else:
+            assert torch.equal(local, reference[key][rows.start:rows.stop]), key
+    if group.size == 4:  # the rowwise weight is split along dimension 1 as well
+        assert dtensor_rows(model.state_dict()["2.weight"], "w").boxes
+
+
+def test_nd_round_trip_writes_each_block_once(group, mpi_tmp_path):
+    model = build("nd", 0)
+    opt = stepped(model, 0.1, 0)
+    saved = full_state(model, opt)
+    index = save_sharded(group, mpi_tmp_path / "ckpt",
+                         {"model": model.state_dict(), "optim": opt.state_dict()})
+    sliced = index["sliced"]
+    # the bias after the rowwise layer is replicated on tp: one copy of each of its rows
+    bias = sliced["model/2.bias"]["slices"]
+    assert sum(p["stop"] - p["start"] for p in bias) == 4
+    if group.size >= 2:  # rowwise: blocks of columns
+        assert all(len(p["inner"]) == 1 for p in sliced["model/2.weight"]["slices"])
+    other = build("nd", 1)
+    other_opt = stepped(other, 0.5, 1)
+    loaded = load_sharded(group, mpi_tmp_path / "ckpt",
+                          {"model": other.state_dict(), "optim": other_opt.state_dict()})
+    other_opt.load_state_dict(loaded["optim"])
+    assert other_opt.param_groups[0]["lr"] == 0.1
+    assert_same(full_state(other, other_opt), saved)
+
+
+@pytest.mark.parametrize("target", ["fsdp", "tp", "tp_replicate", "plain"])
+def test_nd_checkpoint_loads_onto_another_mesh(group, mpi_tmp_path, target):
+    model = build("nd", 0)
+    opt = stepped(model, 0.1, 0)
+    saved = full_state(model, opt)
+    save_sharded(group, mpi_tmp_path / "ckpt",
+                 {"model": model.state_dict(), "optim": opt.state_dict()})
+    other = build(target, 2)
+    other_opt = stepped(other, 0.5, 2)
+    loaded = load_sharded(group, mpi_tmp_path / "ckpt",
+                          {"model": other.state_dict(), "optim": other_opt.state_dict()})
+    other_opt.load_state_dict(loaded["optim"])
+    assert_same(full_state(other, other_opt), saved)
+
+
+@pytest.mark.parametrize("source", ["fsdp", "tp", "tp_replicate", "plain"])
+def test_other_checkpoints_load_into_an_nd_model(group, mpi_tmp_path, source):
+    # FSDP -> ND, pure TP -> ND, TP on replicas (one of them writes) -> ND, DDP (an ordinary
+    # checkpoint, format 1) -> ND
+    model = build(source, 3)
+    opt = stepped(model, 0.2, 3)
+    saved = full_state(model, opt)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    if source == "plain":
+        write_checkpoint(group, str(mpi_tmp_path / "ckpt"), "sharded", state)
+    else:
+        save_sharded(group, mpi_tmp_path / "ckpt", state)
+    other = build("nd", 4)
+    other_opt = stepped(other, 0.5, 4)
+    loaded = load_sharded(group, mpi_tmp_path / "ckpt",
+                          {"model": other.state_dict(), "optim": other_opt.state_dict()})
+    other_opt.load_state_dict(loaded["optim"])
+    assert other_opt.param_groups[0]["lr"] == 0.2
+    assert_same(full_state(other, other_opt), saved)
+
+
+CRAFTED = {  # change to the blocks of the rowwise weight -> what the one error says
+    "outside": (lambda s: s[0]["inner"].__setitem__(0, [0, 9]), r"expected \[start, stop\]"),
+    "overlap": (lambda s: s[-1]["inner"].__setitem__(0, list(s[0]["inner"][0])),
+                r"overlaps another block|elements are missing or stored twice"),
+    "missing": (lambda s: s.pop(), r"elements are missing or stored twice"),
+    # the first block as a save at tp=3 would have cut it: 3 columns, not 4
+    "another rank count": (lambda s: s[0].update(inner=[[0, 3]], nbytes=s[0]["nbytes"] // 4 * 3),
+                           r"elements are missing or stored twice"),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("change", list(CRAFTED))
+def test_a_crafted_block_is_one_error_and_changes_nothing(group, mpi_tmp_path, change):
+    model = build("nd", 0)
+    save_sharded(group, mpi_tmp_path / "ckpt", {"model": model.state_dict()})
+    path = mpi_tmp_path / "ckpt" / "sharded.index.json"
+    group.barrier()
+    if group.rank == 0:
+        index = json.loads(path.read_text())
+        index.pop("index_xxh3", None)
+        CRAFTED[change][0](index["sliced"]["model/2.weight"]["slices"])
+        path.write_text(json.dumps(index))
+    group.barrier()
+    other = build("nd", 1)
+    before = {k: v.to_local().clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointCollectiveError, match=CRAFTED[change][1]):
+        load_sharded(group, mpi_tmp_path / "ckpt", {"model": other.state_dict()})
+    for key, value in other.state_dict().items():
+        assert torch.equal(value.to_local(), before[key]), key
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_save_model_of_an_nd_model_writes_whole_tensors_without_a_gather(
+    group, mpi_tmp_path, safe
+):
+    # safetensors (save_model's default for Hugging Face) and mpaccel's HDF5 layout, in
+    # files of at most 200 bytes: every rank writes its blocks at their place in them
+    from mpaccel.checkpoint import load_model_state, save_model
+
+    model = build("nd", 5, hidden=10, inputs=5)
+    expected = {k: v for k, v in build("plain", 5, hidden=10, inputs=5).state_dict().items()}
+    save_model(group, model, mpi_tmp_path / "out", "200B", safe_serialization=safe)
+    group.barrier()
+    if safe:
+        from safetensors.torch import load_file
+
+        found = {}
+        for name in sorted(p.name for p in (mpi_tmp_path / "out").glob("*.safetensors")):
+            found.update(load_file(str(mpi_tmp_path / "out" / name)))
+    else:
+        found = load_model_state(mpi_tmp_path / "out")
+    assert_same({k: v.detach() for k, v in found.items()},
+                {k: v.detach() for k, v in expected.items()})
+
+
+JOB = textwrap.dedent('''
+    import os, sys
+    import numpy as np, torch, torch.distributed as dist
+    sys.path.insert(0, ROOT_DIR)
+    from mpaccel import PartialState
+    from mpaccel.checkpoint.sharded.save import save_sharded
+    from mpaccel.checkpoint.sharded.load import load_sharded
+    import tests.checkpoint.sharded.test_nd as t
+
+    mode, directory = sys.argv[1], sys.argv[2]
+    comm = PartialState().comm
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    reference = os.path.join(directory, "reference.npz")
+    if mode == "save":  # at 4: tp 2 x dp_shard 2
+        model = t.build("nd", 0, hidden=10, inputs=5)
+        opt = t.stepped(model, 0.1, 0, inputs=5)
+        saved = t.full_state(model, opt)
+        save_sharded(comm, os.path.join(directory, "ckpt"),
+                     {"model": model.state_dict(), "optim": opt.state_dict()})
+        if comm.rank == 0:
+            np.savez(reference, **{k: v.numpy() for k, v in saved.items()})
+    else:  # fully_shard on every rank, no tp (at 1: whole tensors)
+        expected = {k: torch.from_numpy(v) for k, v in np.load(reference).items()}
+        kind = "fsdp" if comm.size > 1 else "plain"
+        model = t.build(kind, 1, hidden=10, inputs=5)
+        opt = t.stepped(model, 0.5, 1, inputs=5)
+        loaded = load_sharded(comm, os.path.join(directory, "ckpt"),
+                              {"model": model.state_dict(), "optim": opt.state_dict()})
+        opt.load_state_dict(loaded["optim"])
+        t.assert_same(t.full_state(model, opt), expected)
+        print("loaded", comm.size, kind)
+''')
+
+
+@pytest.mark.mpi(size=1)  # nests mpiexec
+@pytest.mark.launches
+def test_saved_at_tp2_dp2_loads_at_2_without_tp_and_at_1(tmp_path):
+    from mpaccel.testing import run_mpi
+
+    script = tmp_path / "job.py"
+    script.write_text(JOB.replace("ROOT_DIR", repr(str(Path(__file__).parents[3]))))
+    run_mpi([str(script), "save", str(tmp_path)], n=4, timeout=240).check()
+    sizes = (2, 1)
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        runs = pool.map(
+            lambda n: run_mpi([str(script), "load", str(tmp_path)], n=n, timeout=240), sizes
+        )
+    for n, run in zip(sizes, runs):
+        assert f"loaded {n} {'fsdp' if n > 1 else 'plain'}" in run.check().stdout[0], (
+            run.describe())
