@@ -311,20 +311,29 @@ def check_joined(comm: Comm, local: LocalState, what: str) -> None:
     them. Each rank's rows are its own: without theirs no tensor would be whole.
 
     Also where DTensors lie on meshes that do not span the world (tensor parallelism on tp
-    groups, replicated across data-parallel groups without fully_shard): of the meshes of
-    one shape, the one with the lowest rank writes, the copies on the others are dropped
-    from `local` here (each mesh's own replicas are deduplicated by their placements)."""
+    groups, replicated across data-parallel groups without fully_shard): of the meshes of one
+    shape that hold a tensor, the one with the lowest rank writes it, and the copies on the
+    others are dropped from `local` here (each mesh's own replicas are deduplicated by their
+    placements). Meshes are matched per tensor: two tensors on meshes of one shape (each
+    stage of a model on ranks of its own) are not copies of each other."""
     gathered = comm.allgather((local.mesh_rank, sorted(set(local.mesh_of.values()))),
                               what=what + " (which ranks save)")
     joined = [rank for rank, _ in gathered]
-    first: dict[tuple[int, ...], int] = {}
+    lows: dict[tuple[int, ...], set[int]] = {}
     for _, meshes in gathered:
         for shape, lowest in meshes:
-            first[shape] = min(lowest, first.get(shape, lowest))
-    for key, (shape, lowest) in local.mesh_of.items():
-        if lowest != first[shape]:
-            local.arrays.pop(key, None)
-            local.blocks.pop(key, None)
+            lows.setdefault(shape, set()).add(lowest)
+    # Only tensors on meshes of a shape that lie at several places can have copies; every
+    # rank has the same `gathered`, so all of them take this branch or none does.
+    if any(len(found) > 1 for found in lows.values()):
+        mine = {(key, shape): lowest for key, (shape, lowest) in local.mesh_of.items()
+                if len(lows[shape]) > 1}
+        first = comm.bcast(_first_copies(comm.gather(mine, what=what + " (which copy saves)")),
+                           what=what + " (which copy saves)")
+        for (key, shape), lowest in mine.items():
+            if first.get((key, shape), lowest) != lowest:
+                local.arrays.pop(key, None)
+                local.blocks.pop(key, None)
     with agreement(comm, what, kind=CheckpointCollectiveError):
         absent = sorted(local.meshes - set(joined))
         if absent:
@@ -335,6 +344,21 @@ def check_joined(comm: Comm, local: LocalState, what: str) -> None:
                 "call the save on every rank, not under `if accelerator.is_main_process:` (a "
                 "fully sharded model's state is spread over all of them).",
             )
+
+
+def _first_copies(
+    parts: list[dict[tuple[str, tuple[int, ...]], int]] | None,
+) -> dict[tuple[str, tuple[int, ...]], int] | None:
+    """Of the ranks' {(key, mesh shape): lowest rank of its mesh} (on the gather's root;
+    None elsewhere), the lowest per (key, mesh shape) where meshes at several places hold
+    it: the one copy that is saved."""
+    if parts is None:
+        return None
+    found: dict[tuple[str, tuple[int, ...]], set[int]] = {}
+    for part in parts:
+        for held, lowest in part.items():
+            found.setdefault(held, set()).add(lowest)
+    return {held: min(lows) for held, lows in found.items() if len(lows) > 1}
 
 
 def block_digests(array: np.ndarray, rows_per_block: int) -> list[str]:

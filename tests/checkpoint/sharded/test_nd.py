@@ -14,15 +14,30 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from mpaccel.checkpoint.sharded.load import load_sharded
-from mpaccel.checkpoint.sharded.save import dtensor_rows, save_sharded
+from mpaccel.checkpoint.sharded.save import (
+    LocalState,
+    check_joined,
+    dtensor_rows,
+    save_sharded,
+)
 from mpaccel.checkpoint.writer import write_checkpoint
 from mpaccel.errors import CheckpointCollectiveError
 
 pytestmark = pytest.mark.mpi_timeout(300)
+
+
+@pytest.fixture
+def world():
+    """mpaccel's communicator over every rank, for tests that make no device mesh (no
+    torch.distributed group is needed)."""
+    from mpaccel import PartialState
+
+    return PartialState().comm
 
 
 def mesh_shape(size: int, kind: str) -> tuple[int, int]:
@@ -172,6 +187,33 @@ def test_other_checkpoints_load_into_an_nd_model(group, mpi_tmp_path, source):
     other_opt.load_state_dict(loaded["optim"])
     assert other_opt.param_groups[0]["lr"] == 0.2
     assert_same(full_state(other, other_opt), saved)
+
+
+def test_copies_are_matched_per_tensor_not_per_mesh_shape(world):
+    # "a" and "b" lie on meshes of one shape at different ranks (each stage of a model on ranks
+    # of its own): not copies of each other, both are written. "c" lies on one mesh per
+    # data-parallel replica (rank parity here): only the copy on the lowest ranks is.
+    local = LocalState({}, {}, {}, {})
+    for key in ("m/a", "m/b", "m/c"):
+        local.arrays[key] = np.zeros((2, 3), np.float32)
+    local.mesh_of = {"m/a": ((2,), 0), "m/b": ((2,), 2), "m/c": ((2,), 2 * (world.rank % 2))}
+    check_joined(world, local, "saving")
+    assert sorted(local.arrays) == ["m/a", "m/b"] + (["m/c"] if world.rank % 2 == 0 else [])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tensors_on_meshes_of_one_shape_at_other_ranks_are_each_saved(group, mpi_tmp_path):
+    # "a" on rank 0 alone, "b" on rank 1 alone: one-rank meshes of the same shape
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    whole = {name: torch.arange(6.0).reshape(3, 2) + i for i, name in enumerate("ab")}
+    state = {name: distribute_tensor(whole[name], DeviceMesh("cpu", [i]), [Shard(0)])
+             for i, name in enumerate("ab")}
+    save_sharded(group, mpi_tmp_path / "ckpt", {"model": state})
+    target = {name: torch.zeros(3, 2) for name in "ab"}
+    load_sharded(group, mpi_tmp_path / "ckpt", {"model": target})
+    assert_same(target, whole)
 
 
 CRAFTED = {  # change to the blocks of the rowwise weight -> what the one error says
