@@ -25,8 +25,13 @@ from .rawio import byte_view
 
 FORMAT_NAME = "mpaccel-checkpoint"
 FORMAT_VERSION = 1  # what save_state/save_model write: their layout did not change
-# sharded checkpoints (sharded.py: "sliced" tensors) are format 2; readers take both
+# sharded checkpoints (sharded/: "sliced" tensors) are format 2
 SHARDED_FORMAT_VERSION = 2
+# sharded checkpoints with N-D blocks (a slice with "inner": tensor parallelism) are format 3,
+# which readers of formats up to 2 refuse; without blocks (FSDP alone) they stay format 2, which
+# those readers read as well as this one does
+BLOCK_FORMAT_VERSION = 3
+NEWEST_FORMAT_VERSION = BLOCK_FORMAT_VERSION  # readers take every version up to this one
 # Levels of nesting a state tree may have: its document in the index nests at most 3 JSON levels
 # per level (a dict with other than str keys is {"__items__": [[key, value]]}), under 5 of the
 # index's own, which stays within what readers accept (index_check.MAX_DEPTH).

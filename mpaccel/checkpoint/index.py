@@ -15,7 +15,14 @@ from typing import Any
 from .._version import __version__
 from ..errors import CheckpointError
 from .files import read_regular
-from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_DIGEST, SHARDED_FORMAT_VERSION, index_digest
+from .format import (
+    BLOCK_FORMAT_VERSION,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_DIGEST,
+    SHARDED_FORMAT_VERSION,
+    index_digest,
+)
 from .index_check import (
     MAX_INDEX_BYTES,
     check_index,
@@ -105,9 +112,9 @@ class RowSlice:
 
 @dataclass(frozen=True, slots=True)
 class SlicedTensor:
-    """A tensor of a sharded checkpoint (format 2): its dtype, its global shape, and the slices
-    that hold its rows, in row order, covering each row once; or, where some slice has
-    `inner` (`blocks`), N-D blocks covering each element once."""
+    """A tensor of a sharded checkpoint (format 2; 3 with N-D blocks): its dtype, its global
+    shape, and the slices that hold its rows, in row order, covering each row once; or, where
+    some slice has `inner` (`blocks`), N-D blocks covering each element once."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -150,7 +157,7 @@ class CheckpointIndex:
     """A checkpoint's index. `components`: each component's state document (JSON, its tensors
     tagged by name: format.flatten); `tensors`: the shared tensors by `<component>/<name>`;
     `shards`: the shared files; `per_rank`: each rank's own part (none for save_model and
-    sharded checkpoints); `sliced`: the tensors of a sharded checkpoint (format 2);
+    sharded checkpoints); `sliced`: the tensors of a sharded checkpoint (format 2 or 3);
     `file_sizes`: every file's size as written (empty in indexes older than it)."""
 
     format_version: int
@@ -215,10 +222,15 @@ class CheckpointIndex:
         per_rank: tuple[RankPart, ...] = (),
         sliced: Mapping[str, SlicedTensor] | None = None,
     ) -> CheckpointIndex:
-        """The index of a save this mpaccel commits now: format 2 if it has `sliced` tensors,
-        else 1."""
+        """Not collective. The index of a save this mpaccel commits now: format 3 if a
+        `sliced` tensor has N-D blocks, else 2 if it has `sliced` tensors, else 1 (each the
+        oldest format that holds it, so that older readers still read what they can)."""
+        version = FORMAT_VERSION
+        if sliced is not None:
+            blocks = any(entry.blocks for entry in sliced.values())
+            version = BLOCK_FORMAT_VERSION if blocks else SHARDED_FORMAT_VERSION
         return cls(
-            format_version=FORMAT_VERSION if sliced is None else SHARDED_FORMAT_VERSION,
+            format_version=version,
             stem=stem,
             save_id=save_id,
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -256,7 +268,7 @@ class CheckpointIndex:
 
     @property
     def is_sharded(self) -> bool:
-        """A sharded checkpoint (format 2): its tensors are `sliced`."""
+        """Not collective. A sharded checkpoint (format 2 or 3): its tensors are `sliced`."""
         return self.format_version >= SHARDED_FORMAT_VERSION
 
     def entries(self) -> Iterator[tuple[str, TensorEntry]]:

@@ -27,10 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from .._version import __version__
 from ..errors import CheckpointError
 from .format import (
+    BLOCK_FORMAT_VERSION,
     FORMAT_NAME,
     MAX_NESTING,
+    NEWEST_FORMAT_VERSION,
     SHARDED_FORMAT_VERSION,
     dataset_name,
     numpy_storable,
@@ -96,12 +99,8 @@ def check_index(index: Any, path: str) -> None:
     version = index.get("format_version", 0)
     if not is_int(version) or version < 0:
         raise c.fail(("format_version",), f"is {show(version)}: expected an integer >= 0")
-    if version > SHARDED_FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path!r} has format version {version}; this mpaccel reads up to "
-            f"{SHARDED_FORMAT_VERSION}",
-            "upgrade mpaccel to read it.",
-        )
+    if version > NEWEST_FORMAT_VERSION:
+        raise _newer_format(path, version, index.get("mpaccel_version"))
     for key in ("stem", "save_id", "created", "mpaccel_version"):
         c.get(index, (), key, str, optional=True)
     digest = c.get(index, (), "index_xxh3", str, optional=True)
@@ -123,7 +122,8 @@ def check_index(index: Any, path: str) -> None:
     extents: dict[str, list[_Extent]] = {}
     # the tensors first: an error then names the tensor as well as the file
     files = {s for s in shards if isinstance(s, str)}
-    sliced = _check_sliced(c, index, files, extents) if version >= 2 else {}
+    sliced = (_check_sliced(c, index, files, extents, version)
+              if version >= SHARDED_FORMAT_VERSION else {})
     _check_part(c, index, (), files, extents, sliced)
     for i, name in enumerate(shards):
         c.name(name, ("shards", i))
@@ -175,12 +175,25 @@ def _check_part(
         check_document(c, document, at, component, {**tensors, **sliced} if sliced else tensors)
 
 
+def _newer_format(path: str, version: int, writer: Any) -> CheckpointError:
+    """The refusal of an index of a format version this mpaccel does not read: what a later
+    version added (format 3's N-D blocks, to a reader of format 2) would be misread."""
+    by = f" (written by mpaccel {show(writer)})" if isinstance(writer, str) else ""
+    return CheckpointError(
+        f"{path!r} has format version {show(version)}{by}; this mpaccel ({__version__}) reads "
+        f"format versions up to {NEWEST_FORMAT_VERSION} and would misread it",
+        "load it with an mpaccel at least as recent as the one that wrote it (upgrade mpaccel "
+        "where it loads), or save it again with this one.",
+    )
+
+
 def _check_sliced(
-    c: Checker, index: dict, files: set[str], extents: dict[str, list[_Extent]]
+    c: Checker, index: dict, files: set[str], extents: dict[str, list[_Extent]], version: int
 ) -> dict:
-    """Format 2's `sliced` tensors: {key: {dtype, shape (global), slices: [{file, start, stop,
-    offset, nbytes, rows_per_block, xxh3: [one per block]}]}}, rows along dimension 0 (a 0-d
-    tensor has one), the slices in order, covering every row once."""
+    """The `sliced` tensors of formats 2 and 3: {key: {dtype, shape (global), slices: [{file,
+    start, stop, offset, nbytes, rows_per_block, xxh3: [one per block]}]}}, rows along
+    dimension 0 (a 0-d tensor has one), the slices in order, covering every row once; or, from
+    format 3 on, N-D blocks (a slice with `inner`) covering every element once."""
     sliced = c.get(index, (), "sliced", dict, optional=True) or {}
     found = index.get("components")
     components: dict = found if isinstance(found, dict) else {}
@@ -203,6 +216,10 @@ def _check_sliced(
         row_bytes = math.prod(shape[1:]) * itemsize
         pieces = c.get(entry, at, "slices", list)
         blocks = any(isinstance(piece, dict) and "inner" in piece for piece in pieces)
+        if blocks and version < BLOCK_FORMAT_VERSION:
+            i = next(i for i, p in enumerate(pieces) if isinstance(p, dict) and "inner" in p)
+            raise c.fail((*at, "slices", i, "inner"), f"is in an index of format version "
+                         f"{version}: N-D blocks are format {BLOCK_FORMAT_VERSION}'s")
         end = 0
         boxes = []
         for i, piece in enumerate(pieces):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mpaccel import PartialState
+from mpaccel.checkpoint import CheckpointError
 from mpaccel.checkpoint.format import INDEX_DIGEST
 from mpaccel.checkpoint.index import CheckpointIndex, RowSlice, TensorEntry
 from mpaccel.checkpoint.reader import CheckpointReader
@@ -118,6 +119,28 @@ def test_older_indexes_are_upgraded_in_one_place(mpi_tmp_path):
         assert torch.equal(reader.component("model_0")["w"], torch.arange(12.0).reshape(3, 4))
         assert reader.verify() == []
     comm.barrier()
+
+
+@pytest.mark.mpi(size=1)  # the check of one index: the same on every rank
+def test_an_index_of_a_newer_format_version_is_refused_with_a_hint(tmp_path):
+    from mpaccel import __version__
+    from mpaccel.checkpoint.format import NEWEST_FORMAT_VERSION
+
+    comm = PartialState().comm
+    write_checkpoint(comm, str(tmp_path / "ckpt"), "state", _state())
+    path = tmp_path / "ckpt" / "state.index.json"
+    document = json.loads(path.read_text())
+    document.pop(INDEX_DIGEST)
+    newer = NEWEST_FORMAT_VERSION + 1
+    path.write_text(json.dumps({**document, "format_version": newer, "mpaccel_version": "9.0"}))
+    with pytest.raises(CheckpointError) as info:
+        CheckpointReader(str(tmp_path / "ckpt"), "state")
+    assert str(info.value).startswith(
+        f"{str(path)!r} has format version {newer} (written by mpaccel '9.0'); this mpaccel "
+        f"({__version__}) reads format versions up to {NEWEST_FORMAT_VERSION} and would "
+        "misread it")
+    assert "HINT: load it with an mpaccel at least as recent as the one that wrote it" in str(
+        info.value)
 
 
 def test_entries_pickle_as_themselves():

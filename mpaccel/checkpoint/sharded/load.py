@@ -1,6 +1,6 @@
 """Loading checkpoints into state dicts whose tensors may be DTensors, at any world size and
 sharding (with the read and verify tasks of each row range): each rank reads only the rows it
-owns (of a sharded checkpoint, format 2, or of an ordinary one, format 1), verifies them, and
+owns (of a sharded checkpoint, format 2 or 3, or of an ordinary one, format 1), verifies them, and
 only then writes them into the target.
 
 Call sequence of `load_sharded` (collective, every rank, each with its own target):

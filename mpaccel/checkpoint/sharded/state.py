@@ -2,12 +2,12 @@
 sharded models and their optimizers) written by each rank as its own rows beside the ordinary
 part (save_state), and loaded at any world size, into sharded or plain objects (load_state).
 
-A checkpoint with a sharded part holds `sharded.index.json` (format 2) and `state.index.json`
-(format 1), committed in that order; the latter names the former's save id, so that the
-checkpoint is complete only once both are there and belong together. Saving again into the
-same directory keeps the previous sharded part (its files, and its index copied aside to
-`sharded.<save id>.index.json`) until the new state index is committed: a crash between the two
-commits leaves the previous checkpoint loadable."""
+A checkpoint with a sharded part holds `sharded.index.json` (format 2, or 3 with N-D blocks)
+and `state.index.json` (format 1), committed in that order; the latter names the former's save
+id, so that the checkpoint is complete only once both are there and belong together. Saving
+again into the same directory keeps the previous sharded part (its files, and its index copied
+aside to `sharded.<save id>.index.json`) until the new state index is committed: a crash
+between the two commits leaves the previous checkpoint loadable."""
 
 from __future__ import annotations
 

@@ -20,10 +20,14 @@ import torch
 
 from mpaccel.checkpoint.sharded.load import load_sharded
 from mpaccel.checkpoint.sharded.save import (
+    SHARDED_STEM,
+    Box,
     LocalState,
     check_joined,
+    collect_local,
     dtensor_rows,
     save_sharded,
+    write_local,
 )
 from mpaccel.checkpoint.writer import write_checkpoint
 from mpaccel.errors import CheckpointCollectiveError
@@ -138,6 +142,7 @@ def test_nd_round_trip_writes_each_block_once(group, mpi_tmp_path):
     saved = full_state(model, opt)
     index = save_sharded(group, mpi_tmp_path / "ckpt",
                          {"model": model.state_dict(), "optim": opt.state_dict()})
+    assert index["format_version"] == (3 if group.size >= 2 else 2)  # 3: it has blocks
     sliced = index["sliced"]
     # the bias after the rowwise layer is replicated on tp: one copy of each of its rows
     bias = sliced["model/2.bias"]["slices"]
@@ -214,6 +219,54 @@ def test_tensors_on_meshes_of_one_shape_at_other_ranks_are_each_saved(group, mpi
     target = {name: torch.zeros(3, 2) for name in "ab"}
     load_sharded(group, mpi_tmp_path / "ckpt", {"model": target})
     assert_same(target, whole)
+
+
+WHOLE = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+
+
+def save_blocks(comm, directory: Path) -> None:
+    """Save WHOLE as `model/w` in four 2 x 3 blocks, all of them written by rank 0 (the others
+    write nothing): a checkpoint with N-D blocks at any world size, without a device mesh."""
+    local = collect_local({"model": {"w": WHOLE}}, comm.rank)
+    array = local.arrays.pop("model/w", None)
+    if array is not None:  # rank 0: plain tensors are its to write
+        boxes = [Box((r, c), (r + 2, c + 3), (r, c)) for r in (0, 2) for c in (0, 3)]
+        local.blocks["model/w"] = [(box, array[box.local_slices()].copy()) for box in boxes]
+    write_local(comm, str(directory), SHARDED_STEM, local)
+
+
+def edit_index(comm, directory: Path, change) -> None:
+    """Rank 0 applies `change` to the parsed index (without its checksum) and writes it back;
+    every rank waits for it."""
+    path = directory / f"{SHARDED_STEM}.index.json"
+    comm.barrier()
+    if comm.rank == 0:
+        index = json.loads(path.read_text())
+        index.pop("index_xxh3", None)
+        change(index)
+        path.write_text(json.dumps(index))
+    comm.barrier()
+
+
+def test_a_checkpoint_with_blocks_is_format_3_one_of_rows_stays_2(world, mpi_tmp_path):
+    save_blocks(world, mpi_tmp_path / "blocks")
+    save_sharded(world, mpi_tmp_path / "rows", {"model": {"w": WHOLE}})
+    for name, version in (("blocks", 3), ("rows", 2)):
+        index = json.loads((mpi_tmp_path / name / "sharded.index.json").read_text())
+        assert index["format_version"] == version, name
+        target = torch.zeros(4, 6)
+        load_sharded(world, mpi_tmp_path / name, {"model": {"w": target}})
+        assert torch.equal(target, WHOLE), name
+
+
+@pytest.mark.mpi(size=1)  # what the index check finds does not depend on the world size
+def test_blocks_in_a_format_2_index_are_refused(world, mpi_tmp_path):
+    save_blocks(world, mpi_tmp_path / "ckpt")
+    edit_index(world, mpi_tmp_path / "ckpt", lambda index: index.update(format_version=2))
+    with pytest.raises(CheckpointCollectiveError,
+                       match=r"\['inner'\] is in an index of format version 2: N-D blocks are "
+                             r"format 3's"):
+        load_sharded(world, mpi_tmp_path / "ckpt", {"model": {"w": torch.zeros(4, 6)}})
 
 
 CRAFTED = {  # change to the blocks of the rowwise weight -> what the one error says
