@@ -273,7 +273,8 @@ def _check_inner(c: Checker, piece: dict, where: tuple, shape: list) -> list[tup
     inner = c.get(piece, where, "inner", list)
     if len(shape) < 2 or len(inner) != len(shape) - 1:
         raise c.fail((*where, "inner"), f"is {show(inner)}: expected {max(0, len(shape) - 1)} "
-                     f"[start, stop] pairs for shape {shape}")
+                     f"[start, stop] pair(s), one per dimension after the first, for shape "
+                     f"{shape}")
     out = []
     for d, pair in enumerate(inner, start=1):
         if not (isinstance(pair, list) and len(pair) == 2 and all(is_int(v) for v in pair)
@@ -303,9 +304,12 @@ def block_cover_problem(shape: list[int] | tuple[int, ...],
     grid's size, which is bounded: a layout cut finer than blocks on a mesh make is refused."""
     total = math.prod(shape)
     volume = sum(math.prod(b - a for a, b in zip(start, stop)) for start, stop in boxes)
-    if volume != total:
+    if volume < total:
+        return (f"hold {volume} of the tensor's {total} elements in {len(boxes)} block(s): "
+                "elements are missing")
+    if volume > total:
         return (f"hold {volume} elements in {len(boxes)} block(s) of a tensor of {total}: "
-                "elements are missing or stored twice")
+                "elements are stored twice")
     if not boxes:
         return None
     cuts = [np.unique(np.array([0, size] + [b[0][d] for b in boxes] + [b[1][d] for b in boxes]))

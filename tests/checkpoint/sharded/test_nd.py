@@ -269,36 +269,62 @@ def test_blocks_in_a_format_2_index_are_refused(world, mpi_tmp_path):
         load_sharded(world, mpi_tmp_path / "ckpt", {"model": {"w": torch.zeros(4, 6)}})
 
 
-CRAFTED = {  # change to the blocks of the rowwise weight -> what the one error says
-    "outside": (lambda s: s[0]["inner"].__setitem__(0, [0, 9]), r"expected \[start, stop\]"),
-    "overlap": (lambda s: s[-1]["inner"].__setitem__(0, list(s[0]["inner"][0])),
-                r"overlaps another block|elements are missing or stored twice"),
-    "missing": (lambda s: s.pop(), r"elements are missing or stored twice"),
-    # the first block as a save at tp=3 would have cut it: 3 columns, not 4
-    "another rank count": (lambda s: s[0].update(inner=[[0, 3]], nbytes=s[0]["nbytes"] // 4 * 3),
-                           r"elements are missing or stored twice"),
+# A change to the blocks of save_blocks ([0:2, 0:3], [0:2, 3:6], [2:4, 0:3], [2:4, 3:6] in
+# the index's order) -> the one error every rank raises for it
+CRAFTED = {
+    "outside the tensor's columns": (
+        lambda s: s[1]["inner"].__setitem__(0, [3, 7]),
+        r"\['slices'\]\[1\]\['inner'\]\[0\] is \[3, 7\]: expected \[start, stop\] with 0 <= "
+        r"start < stop <= 6"),
+    "outside the tensor's rows": (
+        lambda s: s[3].update(start=3, stop=5),
+        r"\['slices'\]\[3\] holds rows 3\.\.5: expected rows within 0\.\.4"),
+    "overlapping another": (
+        lambda s: s[1]["inner"].__setitem__(0, [2, 5]),
+        r"\['slices'\] block 1 \(\[0:2, 2:5\]\) overlaps another block"),
+    "stored twice": (
+        lambda s: s.append(dict(s[0])),
+        r"\['slices'\] hold 30 elements in 5 block\(s\) of a tensor of 24: elements are "
+        r"stored twice"),
+    "missing (a hole)": (
+        lambda s: s.pop(1),
+        r"\['slices'\] hold 18 of the tensor's 24 elements in 3 block\(s\): elements are "
+        r"missing"),
+    "cut for another rank count": (  # 2 columns where a save at 3 ranks would cut
+        lambda s: s[0].update(inner=[[0, 2]], nbytes=16),
+        r"hold 22 of the tensor's 24 elements in 4 block\(s\): elements are missing"),
+    "of more dimensions than the tensor": (
+        lambda s: s[0]["inner"].append([0, 1]),
+        r"\['slices'\]\[0\]\['inner'\] is \[\[0, 3\], \[0, 1\]\]: expected 1 \[start, stop\] "
+        r"pair\(s\), one per dimension after the first, for shape \[4, 6\]"),
 }
 
 
-@pytest.mark.mpi(min_size=2)
+def refused(comm, directory: Path, change: str) -> CheckpointCollectiveError:
+    """Load the blocks of save_blocks after `change` into a target that holds other values:
+    the error, once checked that it is CRAFTED's and that the target did not change."""
+    edit_index(comm, directory, lambda index: CRAFTED[change][0](
+        index["sliced"]["model/w"]["slices"]))
+    target = torch.full((4, 6), -1.0)
+    with pytest.raises(CheckpointCollectiveError, match=CRAFTED[change][1]) as info:
+        load_sharded(comm, directory, {"model": {"w": target}})
+    assert str(directory / "sharded.index.json") in str(info.value)
+    assert torch.equal(target, torch.full((4, 6), -1.0)), "the target changed"
+    return info.value
+
+
+@pytest.mark.mpi(size=1)  # what the index check finds does not depend on the world size
 @pytest.mark.parametrize("change", list(CRAFTED))
-def test_a_crafted_block_is_one_error_and_changes_nothing(group, mpi_tmp_path, change):
-    model = build("nd", 0)
-    save_sharded(group, mpi_tmp_path / "ckpt", {"model": model.state_dict()})
-    path = mpi_tmp_path / "ckpt" / "sharded.index.json"
-    group.barrier()
-    if group.rank == 0:
-        index = json.loads(path.read_text())
-        index.pop("index_xxh3", None)
-        CRAFTED[change][0](index["sliced"]["model/2.weight"]["slices"])
-        path.write_text(json.dumps(index))
-    group.barrier()
-    other = build("nd", 1)
-    before = {k: v.to_local().clone() for k, v in other.state_dict().items()}
-    with pytest.raises(CheckpointCollectiveError, match=CRAFTED[change][1]):
-        load_sharded(group, mpi_tmp_path / "ckpt", {"model": other.state_dict()})
-    for key, value in other.state_dict().items():
-        assert torch.equal(value.to_local(), before[key]), key
+def test_a_crafted_block_is_refused_before_anything_changes(world, mpi_tmp_path, change):
+    save_blocks(world, mpi_tmp_path / "ckpt")
+    refused(world, mpi_tmp_path / "ckpt", change)
+
+
+def test_every_rank_refuses_a_crafted_block_with_the_same_error(world, mpi_tmp_path):
+    save_blocks(world, mpi_tmp_path / "ckpt")
+    error = refused(world, mpi_tmp_path / "ckpt", "missing (a hole)")
+    assert error.failed_ranks == list(range(world.size))
+    assert len(set(world.allgather(str(error)))) == 1
 
 
 @pytest.mark.parametrize("safe", [True, False])
