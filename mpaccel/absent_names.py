@@ -149,8 +149,7 @@ MODULE_NAMES: dict[str, dict[str, Reason]] = {
             "has_ao_layers has_transformer_engine_layers torchao_required",
             _FP8,
         ),
-        **_each("TorchContextParallelConfig TorchTensorParallelConfig get_model_tp_size",
-                _PARALLELISM),
+        **_each("get_model_tp_size", _PARALLELISM),
         **_each(
             "infer_auto_device_map load_checkpoint_in_model align_module_device "
             "BnbQuantizationConfig load_and_quantize_model calculate_maximum_sizes "

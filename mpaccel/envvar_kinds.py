@@ -55,6 +55,19 @@ class Integer(Kind):
 
 
 @dataclass(frozen=True)
+class CountOrAuto(Kind):
+    """A number of processes from 1, or "auto" (mpaccel chooses it from the job's nodes)."""
+
+    def accepted(self) -> str:
+        return f"an integer from 1 to {MAX_INT}, or 'auto'"
+
+    def parse(self, text: str) -> int | str:
+        if text.strip().lower() == "auto":
+            return "auto"
+        return Integer(1).parse(text)
+
+
+@dataclass(frozen=True)
 class Number(Kind):
     """A finite float in [low, high] (`low` excluded when `open_low`), in `unit`."""
 

@@ -18,6 +18,7 @@ from typing import Any
 from .envvar_kinds import (
     YEAR,
     Choice,
+    CountOrAuto,
     Flag,
     Integer,
     JsonObject,
@@ -153,8 +154,19 @@ VARIABLES: dict[str, Variable] = {
     "fsdp_activation_checkpointing": _var(FLAG, "FSDP_ACTIVATION_CHECKPOINTING"),
     "fsdp_offload_params": _var(FLAG, "FSDP_OFFLOAD_PARAMS"),
     "fsdp_ignored_modules": _var(TEXT, "FSDP_IGNORED_MODULES"),
-    "dp_replicate_size": _var(COUNT, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"),
-    "dp_shard_size": _var(COUNT, "PARALLELISM_CONFIG_DP_SHARD_SIZE"),
+    # Accelerate's ParallelismConfig defaults ("auto": chosen from the nodes, docs/training.md).
+    "use_parallelism_config": _var(FLAG, "ACCELERATE_USE_PARALLELISM_CONFIG"),
+    "dp_replicate_size": _var(CountOrAuto(), "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"),
+    "dp_shard_size": _var(CountOrAuto(), "PARALLELISM_CONFIG_DP_SHARD_SIZE"),
+    "tp_size": _var(CountOrAuto(), "PARALLELISM_CONFIG_TP_SIZE"),
+    "cp_size": _var(COUNT, "PARALLELISM_CONFIG_CP_SIZE"),
+    "cp_backend": _var(Choice(("torch",)), "PARALLELISM_CONFIG_CP_BACKEND"),
+    "cp_comm_strategy": _var(
+        Choice(("allgather", "alltoall")), "PARALLELISM_CONFIG_CP_COMM_STRATEGY"
+    ),
+    "sp_size": _var(COUNT, "PARALLELISM_CONFIG_SP_SIZE"),
+    "sp_backend": _var(Choice(("deepspeed",)), "PARALLELISM_CONFIG_SP_BACKEND"),
+    "tp_across_nodes": _var(FLAG, "MPACCEL_TP_ACROSS_NODES"),
     "test_timeout": _var(Number(0.0, YEAR, "seconds"), "MPACCEL_TEST_TIMEOUT"),
     "mpiexec": _var(TEXT, "MPACCEL_MPIEXEC"),
     "ci": _var(TEXT, "CI"),
@@ -221,6 +233,13 @@ def _typed(logical: str, env: Mapping[str, str] | None, kind: type[Kind]) -> Any
 
 def get_int(logical: str, env: Mapping[str, str] | None = None) -> int | None:
     value: int | None = _typed(logical, env, Integer)
+    return value
+
+
+def get_size(logical: str, env: Mapping[str, str] | None = None) -> int | str | None:
+    """Not collective. A CountOrAuto variable: a number of processes, "auto", or None when
+    unset."""
+    value: int | str | None = _typed(logical, env, CountOrAuto)
     return value
 
 

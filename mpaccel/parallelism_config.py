@@ -1,5 +1,6 @@
-"""Accelerate's `accelerate.parallelism_config` path: ParallelismConfig (mpaccel.config.fsdp's)."""
+"""Accelerate's `accelerate.parallelism_config` path: ParallelismConfig
+(mpaccel.config.parallelism's)."""
 
-from .config.fsdp import ParallelismConfig
+from .config.parallelism import ParallelismConfig
 
 __all__ = ["ParallelismConfig"]

@@ -1,8 +1,8 @@
 """The configuration dataclasses users build, with Accelerate's names (mpaccel.utils re-exports
 them at Accelerate's paths), one concept a module: `kwargs` (the kwargs handlers and their
 base), `plugins` (gradient accumulation, torch.compile), `dataloader`, `project`, `fsdp`
-(FullyShardedDataParallelPlugin, ParallelismConfig) and `refused` (engines mpaccel does not
-drive). Unknown keys are rejected, by name."""
+(FullyShardedDataParallelPlugin), `parallelism` (ParallelismConfig and its handlers) and
+`refused` (engines mpaccel does not drive). Unknown keys are rejected, by name."""
 
 from .dataloader import DataLoaderConfiguration
 from .kwargs import (

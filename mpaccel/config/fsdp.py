@@ -1,6 +1,7 @@
 """Fully sharded data parallelism's configuration, with Accelerate's names:
-FullyShardedDataParallelPlugin (FSDP2 only), ParallelismConfig (the data-parallel mesh shape)
-and their enums. Unset fields take Accelerate's FSDP_* variables, read through mpaccel.envvars."""
+FullyShardedDataParallelPlugin (FSDP2 only) and its enums (the mesh's shape is
+config/parallelism.py's ParallelismConfig). Unset fields take Accelerate's FSDP_* variables,
+read through mpaccel.envvars."""
 
 from __future__ import annotations
 
@@ -408,79 +409,3 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
         del buffer_autocast
         if override or self.mixed_precision_policy is None:
             self.mixed_precision_policy = _policy(mixed_precision)
-
-
-@dataclass
-class ParallelismConfig(KwargsHandler):
-    """The data-parallel mesh, with Accelerate's names: `dp_replicate_size` groups that each
-    shard the model over `dp_shard_size` ranks (HSDP when both are > 1), consecutive ranks
-    forming a shard group. Needs an fsdp_plugin. mpaccel drives no tensor, context or
-    sequence parallelism: tp_size, cp_size and sp_size must be 1."""
-
-    dp_replicate_size: int | None = None
-    dp_shard_size: int | None = None
-    tp_size: int | None = None
-    cp_size: int | None = None
-    cp_backend: str | None = None
-    sp_size: int | None = None
-    sp_backend: str | None = None
-    tp_handler: Any = None
-    cp_handler: Any = None
-    sp_handler: Any = None
-
-    def __post_init__(self) -> None:
-        for name, logical in (("dp_replicate_size", "dp_replicate_size"),
-                              ("dp_shard_size", "dp_shard_size")):  # fmt: skip
-            value = getattr(self, name)
-            if value is None:
-                value = envvars.get_int(logical) or 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"ParallelismConfig({name}={value!r}) must be an int >= 1")
-            setattr(self, name, value)
-        others = {
-            name: getattr(self, name)
-            for name in ("tp_size", "cp_size", "sp_size")
-            if getattr(self, name) not in (None, 1)
-        }
-        if others:
-            raise ConfigurationError(
-                f"ParallelismConfig({', '.join(f'{k}={v!r}' for k, v in others.items())}): "
-                "mpaccel drives no tensor, context or sequence parallelism",
-                "leave tp_size, cp_size and sp_size at 1; dp_replicate_size and dp_shard_size "
-                "shape the data-parallel mesh.",
-            )
-        self.tp_size = self.cp_size = self.sp_size = 1
-
-    @property
-    def total_size(self) -> int:
-        return self.dp_replicate_size * self.dp_shard_size  # type: ignore[operator]
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.total_size
-
-    @property
-    def non_data_parallel_size(self) -> int:
-        return 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate_size > 1  # type: ignore[operator]
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard_size > 1  # type: ignore[operator]
-
-    tp_enabled = cp_enabled = sp_enabled = property(lambda self: False)
-
-    @property
-    def dp_dim_names(self) -> list[str]:
-        return ["dp_replicate", "dp_shard"]
-
-    @property
-    def active_mesh_dims(self) -> list[str]:
-        return self.dp_dim_names
-
-    @property
-    def fsdp_dim_names(self) -> list[str]:
-        return self.dp_dim_names

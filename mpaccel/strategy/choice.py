@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from .. import envvars
-from ..config.fsdp import FullyShardedDataParallelPlugin, ParallelismConfig
+from ..config.fsdp import FullyShardedDataParallelPlugin
+from ..config.parallelism import ParallelismConfig
 from ..errors import ConfigurationError
 from .base import Strategy
 from .data_parallel import DataParallel
@@ -30,6 +31,8 @@ def choose_plugin(
             )
     if fsdp_plugin is None and envvars.get_bool("use_fsdp", False):
         fsdp_plugin = FullyShardedDataParallelPlugin()
+    if parallelism_config is not None:
+        check_data_parallel_only(parallelism_config)
     if fsdp_plugin is None and parallelism_config is not None and parallelism_config.total_size > 1:
         raise ConfigurationError(
             f"ParallelismConfig(dp_replicate_size={parallelism_config.dp_replicate_size}, "
@@ -39,6 +42,25 @@ def choose_plugin(
             "parallelism_config (mpaccel then trains with DistributedDataParallel).",
         )
     return fsdp_plugin
+
+
+def check_data_parallel_only(parallelism_config: ParallelismConfig) -> None:
+    """Not collective. The sizes this version drives: data-parallel ones, given as numbers
+    (no strategy splits layers or sequences yet, and nothing chooses "auto" sizes)."""
+    sizes = {"tp_size": parallelism_config.tp_size, "cp_size": parallelism_config.cp_size,
+             "dp_replicate_size": parallelism_config.dp_replicate_size,
+             "dp_shard_size": parallelism_config.dp_shard_size}  # fmt: skip
+    others = {
+        name: value for name, value in sizes.items()
+        if value == "auto" or (name in ("tp_size", "cp_size") and value != 1)
+    }  # fmt: skip
+    if others:
+        raise ConfigurationError(
+            f"ParallelismConfig({', '.join(f'{k}={v!r}' for k, v in others.items())}): mpaccel "
+            "drives no tensor or context parallelism and chooses no 'auto' size yet",
+            "leave tp_size and cp_size at 1 and give dp_replicate_size and dp_shard_size as "
+            "numbers: they shape the data-parallel mesh.",
+        )
 
 
 def build(

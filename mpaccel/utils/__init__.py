@@ -42,7 +42,9 @@ from .dataclasses import (
     ProfileKwargs,
     RNGType,
     SageMakerDistributedType,
+    TorchContextParallelConfig,
     TorchDynamoPlugin,
+    TorchTensorParallelConfig,
     TorchTensorParallelPlugin,
 )
 from .imports import (
@@ -202,7 +204,9 @@ __all__ += [
     "ProfileKwargs",
     "RNGType",
     "SageMakerDistributedType",
+    "TorchContextParallelConfig",
     "TorchDynamoPlugin",
+    "TorchTensorParallelConfig",
     "TorchTensorParallelPlugin",
     "compare_versions",
     "concatenate",

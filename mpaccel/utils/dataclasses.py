@@ -1,5 +1,6 @@
 """Accelerate's module path for its configuration classes (`accelerate.utils.dataclasses`): the
-same objects as mpaccel.config, mpaccel.enums and mpaccel.config.fsdp."""
+same objects as mpaccel.config, mpaccel.enums, mpaccel.config.fsdp and
+mpaccel.config.parallelism."""
 
 from ..config import (
     AutocastKwargs,
@@ -21,7 +22,11 @@ from ..config.fsdp import (
     FSDPShardingStrategy,
     FSDPStateDictType,
     FullyShardedDataParallelPlugin,
+)
+from ..config.parallelism import (
     ParallelismConfig,
+    TorchContextParallelConfig,
+    TorchTensorParallelConfig,
 )
 from ..enums import (
     ComputeEnvironment,
@@ -61,6 +66,8 @@ __all__ = [
     "RNGType",
     "SageMakerDistributedType",
     "TensorInformation",
+    "TorchContextParallelConfig",
     "TorchDynamoPlugin",
+    "TorchTensorParallelConfig",
     "TorchTensorParallelPlugin",
 ]
