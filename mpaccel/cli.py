@@ -15,6 +15,7 @@ import platform
 import re
 import shlex
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -177,10 +178,43 @@ def collect_env_facts() -> Facts:
         facts["rank"] = info.process_index
         facts["ranks"] = rows if info.is_main_process else []
         facts["warnings"] = list(discovery.warnings)
+    facts["mesh"] = mesh_facts(facts["ranks"], env) if facts["ranks"] else None
     facts["h5py"] = _h5py_facts()
     facts["numpy"] = _version_of("numpy")
     facts["hostlist"] = _version_of("hostlist")
     return facts
+
+
+def mesh_facts(rows: Sequence[Facts], env: envvars.Snapshot) -> list[str] | None:
+    """Not collective. The N-D mesh the PARALLELISM_CONFIG_* variables of `env` ask for, laid
+    out over the ranks of `rows` (`mpaccel env`'s) as the Accelerator lays it out (with an FSDP
+    plugin), with the hosts of each group; None when no size variable is set; the error's text
+    (and HINT) for a layout the Accelerator would refuse."""
+    from .config.parallelism import ParallelismConfig
+    from .strategy.layout import lay_out, resolve_sizes
+
+    names = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+    if not any(envvars.is_set(name, env) for name in names):
+        return None
+    try:
+        given: dict[str, Any] = {
+            name: envvars.get_size(name, env) if name != "cp_size" else envvars.get_int(name, env)
+            for name in names
+        }
+        config = ParallelismConfig(**given)
+        nodes_of = [(int(r["node"]), int(r["local_rank"])) for r in rows]
+        hosts = [str(r["host"]) for r in rows]
+        counts = list(Counter(node for node, _ in nodes_of).values())
+        sizes = resolve_sizes(config.sizes(), len(rows), len(counts), min(counts))
+        config.set_sizes(sizes)
+        keep = ("dp_shard",) if sizes["dp_shard"] == 1 and sizes["cp"] == 1 else ()
+        layout = lay_out(
+            sizes, nodes_of, hosts, keep=keep,
+            across_nodes=envvars.get_bool("tp_across_nodes", False, env),
+        )  # fmt: skip
+    except MpaccelError as exc:
+        return [f"not possible: {exc}"]
+    return layout.describe()
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -301,6 +335,8 @@ def render_env_report(facts: Facts) -> str:
         _mpi_section(facts.get("mpi", {})),
         _section("launcher", launcher_rows),
         _layout_section(facts),
+        *([_section("mesh (PARALLELISM_CONFIG_*)", lines=facts["mesh"])]
+          if facts.get("mesh") else []),
         _slurm_section(facts.get("slurm")),
         _library_section(facts),
     ]

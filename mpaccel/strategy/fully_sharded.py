@@ -34,7 +34,7 @@ from ..config.fsdp import FSDPAutoWrapPolicy, FullyShardedDataParallelPlugin
 from ..enums import DistributedType
 from ..errors import CollectiveError, ConfigurationError, MpaccelWarning
 from .base import Strategy
-from .mesh import build_mesh
+from .mesh import build_mesh, fsdp_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -281,9 +281,12 @@ def _broadcast_states(model: torch.nn.Module) -> None:
     """Collective: every rank's parameters and buffers become rank 0's, in place (as DDP does
     at wrap time): a model initialised differently on each rank must not be sharded from rows of
     different models."""
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            distributed.broadcast(tensor.data, 0)
+            if not isinstance(tensor, DTensor):  # placed already (tensor parallelism's plan)
+                distributed.broadcast(tensor.data, 0)
 
 
 def _rank0_states(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
@@ -806,15 +809,24 @@ class SummedGradients:
 class FullySharded(Strategy):
     """FSDP2 (torch's fully_shard) with the FullyShardedDataParallelPlugin `plugin`, over a
     mesh built here from `parallelism_config` or the node layout (strategy/mesh.py): HSDP on a
-    2-D mesh. Creating it is collective (the mesh)."""
+    2-D mesh. `mesh`: an N-D mesh built already (TensorParallel's), sharded over its
+    data-parallel dimensions. Creating it is collective (the mesh)."""
 
     distributed_type = DistributedType.FSDP
 
     def __init__(
-        self, partial: Any, plugin: FullyShardedDataParallelPlugin, parallelism_config: Any
+        self,
+        partial: Any,
+        plugin: FullyShardedDataParallelPlugin,
+        parallelism_config: Any,
+        mesh: Any = None,
     ) -> None:
         self.plugin = plugin
-        self.mesh = build_mesh(partial, plugin.hybrid, parallelism_config)
+        if mesh is None:
+            mesh = build_mesh(partial, plugin.hybrid, parallelism_config)
+        self.mesh = mesh
+        #: what fully_shard shards over: the data-parallel dimensions of an N-D mesh
+        self.shard_mesh = fsdp_mesh(mesh)
         super().__init__(partial)  # after the mesh: a world of one got its backend there
 
     def is_prepared(self, model: torch.nn.Module) -> bool:
@@ -822,7 +834,7 @@ class FullySharded(Strategy):
 
     def place(self, model: torch.nn.Module, placement: bool) -> torch.nn.Module:
         """Collective: fully_shard in place (shard_model)."""
-        return shard_model(model, self.plugin, self.mesh, self.comm, self.device, placement)
+        return shard_model(model, self.plugin, self.shard_mesh, self.comm, self.device, placement)
 
     @contextmanager
     def optimizers_follow(

@@ -316,7 +316,10 @@ def test_parallelism_config_replicates_and_trains_the_same(comm):
         fsdp_plugin=_plugin(),
         parallelism_config=ParallelismConfig(dp_replicate_size=shape[0], dp_shard_size=shape[1]),
     )
-    assert tuple(acc.torch_device_mesh.shape) == shape
+    # Accelerate's dimensions of size > 1, and dp_shard, which FSDP shards over
+    kept = tuple(s for s, name in zip(shape, ("dp_replicate", "dp_shard"))
+                 if s > 1 or name == "dp_shard")  # fmt: skip
+    assert tuple(acc.torch_device_mesh.shape) == kept
     model, _, losses, _ = _train(acc, 1, epochs=1)
     _, ref_losses, _ = _reference(_data(), 1, epochs=1)
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
@@ -338,7 +341,7 @@ def test_parallel_ranks_follow_the_parallelism_config(comm):
         with pytest.raises(RuntimeError, match=r"(?s)no parallelism_config.*HINT"):
             getattr(acc, name)
     for name in ("context_parallel_rank", "pipeline_parallel_rank"):
-        with pytest.raises(NotImplementedError, match=r"(?s)not supported.*HINT"):
+        with pytest.raises(NotImplementedError, match=r"(?s)not (supported|configured).*HINT"):
             getattr(acc, name)
     n = comm.size
     shape = (2, n // 2) if n % 2 == 0 else (1, n)
@@ -397,5 +400,12 @@ def test_node_grid_groups_ranks_by_node_and_refuses_unequal_nodes():
     # round-robin placement: ranks 0, 2 on node 0 and 1, 3 on node 1
     assert node_grid([(0, 0), (1, 0), (0, 1), (1, 1)]) == [[0, 2], [1, 3]]
     assert node_grid([(0, 0), (0, 1), (1, 0), (1, 1)]) == [[0, 1], [2, 3]]
-    with pytest.raises(ConfigurationError, match=r"ranks per node: \{0: 2, 1: 1\}"):
-        node_grid([(0, 0), (0, 1), (1, 0)])
+    uneven = [(0, 0), (0, 1), (1, 0)]
+    with pytest.raises(ConfigurationError, match=r"(?s)ranks per node: \{0: 2, 1: 1\}.*"
+                       r"ParallelismConfig\(dp_replicate_size=R, dp_shard_size=S\) takes"):
+        node_grid(uneven)
+    # what the HINT promises: a ParallelismConfig mesh over the same nodes
+    from mpaccel.strategy.layout import lay_out
+
+    sizes = {"dp_replicate": 1, "dp_shard": 3, "cp": 1, "tp": 1}
+    assert lay_out(sizes, uneven, ["a", "a", "b"]).groups(["dp_shard"]) == [[0, 1, 2]]
