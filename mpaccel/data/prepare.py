@@ -55,8 +55,10 @@ def prepare_data_loader(
     docs/training.md): `num_processes`/`process_index` default to the PartialState's;
     `dispatch_batches=None` dispatches iterable datasets when `put_on_device`; `rng_types`
     are synchronised from rank 0 as each pass starts; `data_seed` is the seed every shuffle
-    starts from (default: rank 0's torch.initial_seed()). Returns a prepared loader that
-    passes for a DataLoader."""
+    starts from (default: rank 0's torch.initial_seed()); with `torch_device_mesh`, the
+    data-parallel world is the mesh's 'dp' dimension (dp_replicate x dp_shard) and this rank
+    reads the batches of its coordinate along it, as do the other ranks of its tp/cp group.
+    Returns a prepared loader that passes for a DataLoader."""
     from ..state import GradientState, PartialState
 
     state = PartialState()
@@ -116,7 +118,7 @@ def build(
                 "dispatch_batches=True with a torch_device_mesh is not supported by mpaccel",
                 "pass dispatch_batches=False: each data-parallel rank then reads its own batches.",
             )
-        num_processes, process_index = _mesh_position(torch_device_mesh, process_index)
+        num_processes, process_index = _mesh_position(torch_device_mesh)
     loader_class = _loader_class(use_stateful_dataloader)
     kwargs = loader_options(dataloader)
     if loader_class is not DataLoader and "in_order" not in _parameters(loader_class):
@@ -229,15 +231,34 @@ def _dispatcher(
     )  # fmt: skip
 
 
-def _mesh_position(mesh: Any, process_index: int) -> tuple[int, int]:
-    """(num_processes, process_index) of the data-parallel world of a device mesh, as Accelerate
-    counts it: ranks of one tensor- or context-parallel group read the same batches."""
+def _mesh_position(mesh: Any) -> tuple[int, int]:
+    """(num_processes, process_index) of this rank in the data-parallel world of a device mesh:
+    the size of the mesh's 'dp' dimension (flattened, as Accelerate and mpaccel build it) and
+    this rank's coordinate along it, else those of its dp_replicate x dp_shard dimensions. The
+    ranks of one tensor- or context-parallel group share that coordinate and read the same
+    batches. A coordinate, not the world rank divided by tp x cp: a mesh laid out node by node
+    need not hold consecutive world ranks."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-
-    def size(name: str) -> int:
-        return int(mesh[name].size()) if name in names else 1
-
-    return size("dp_replicate") * size("dp_shard"), process_index // (size("tp") * size("cp"))
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ConfigurationError(
+            f"prepare_data_loader(torch_device_mesh=...): this rank is not in the mesh "
+            f"{mesh!r}",
+            "pass the mesh every rank of the job belongs to (accelerator.torch_device_mesh).",
+        )
+    try:
+        flat = mesh["dp"]  # a dimension of its own, or one flattened from its parts
+    except (KeyError, RuntimeError, ValueError):
+        flat = None
+    if flat is not None:
+        return int(flat.size()), int(flat.get_local_rank())
+    where = dict(zip(names, coordinate))
+    count, index = 1, 0
+    for name in ("dp_replicate", "dp_shard"):
+        if name in where:
+            size = int(mesh[name].size())
+            count, index = count * size, index * size + int(where[name])
+    return count, index
 
 
 def _loader_class(stateful: bool) -> type:

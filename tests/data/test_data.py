@@ -1025,6 +1025,28 @@ def test_ranks_of_one_tensor_parallel_group_read_the_same_batches(comm):
     assert sorted(v for group in groups for b in group[0] for v in b) == list(range(4 * n))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_mesh_out_of_rank_order_places_each_rank_by_its_dp_coordinate(comm):
+    """A mesh whose rows are not consecutive world ranks (laid out node by node under a
+    round-robin launch): a rank reads the batches of its row (its 'dp' coordinate), not those
+    of world rank // tp."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mpaccel.data_loader import prepare_data_loader
+
+    accelerator()
+    n = comm.size
+    tp = 2 if n % 4 == 0 else 1
+    order = [*range(1, n, 2), *range(0, n, 2)]  # 2: [1, 0]; 4: [1, 3, 0, 2]
+    grid = torch.tensor(order, dtype=torch.int).reshape(n // tp, tp)
+    mesh = DeviceMesh("cpu", grid, mesh_dim_names=("dp_shard", "tp"))
+    row = next(i for i, ranks in enumerate(grid.tolist()) if comm.rank in ranks)
+    loader = prepare_data_loader(DataLoader(list(range(4 * n)), batch_size=2),
+                                 torch_device_mesh=mesh)
+    first = next(iter(loader)).tolist()
+    assert first == [2 * row, 2 * row + 1]  # batch `row` of the dp world's first round
+
+
 def test_the_shard_classes_take_accelerates_arguments(comm):
     """BatchSamplerShard(batch_sampler, num_processes, process_index, split_batches,
     even_batches) and IterableDatasetShard(dataset, batch_size, drop_last, num_processes,
