@@ -46,12 +46,12 @@ _FP8 = Reason(
     "mixed_precision='bf16'.",
 )
 _PARALLELISM = Reason(
-    "mpaccel parallelises over data only: DistributedDataParallel, or FSDP2 on a 1-D mesh "
-    "(FULL_SHARD) or a 2-D one (HYBRID_SHARD); it drives no tensor, context, sequence or "
-    "pipeline parallelism (ParallelismConfig's tp_size, cp_size and sp_size must be 1)",
+    "mpaccel parallelises with DistributedDataParallel, FSDP2 (1-D, or HSDP's 2-D mesh) and "
+    "tensor parallelism on an N-D mesh (ParallelismConfig's tp_size, context parallelism on "
+    "GPUs); it drives no sequence or pipeline parallelism",
     "for a model that does not fit one device, Accelerator(fsdp_plugin="
     "FullyShardedDataParallelPlugin(...)), with ParallelismConfig(dp_replicate_size=..., "
-    "dp_shard_size=...) for HSDP (docs/training.md).",
+    "dp_shard_size=..., tp_size=...) (docs/training.md).",
 )
 _BIG_MODEL = Reason(
     "Big Model Inference (device maps, CPU/disk offload, quantized loading) spreads one "

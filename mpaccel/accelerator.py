@@ -25,6 +25,7 @@ from . import (
     absent_names,
     checkpoint,
     distributed,
+    envvars,
     ops,
     preemption,
     shared_settings,
@@ -45,6 +46,7 @@ from .config import (
     TorchDynamoPlugin,
     handlers_by_type,
 )
+from .config.parallelism import ParallelismConfig
 from .data.loader import PreparedLoader
 from .data.prepare import agreed_seed
 from .data.prepare import build as build_prepared
@@ -77,7 +79,7 @@ _LOMO_REFUSED = (
 )
 _SET_CONFIG = (
     "pass Accelerator(fsdp_plugin=..., parallelism_config=ParallelismConfig("
-    "dp_replicate_size=..., dp_shard_size=...))."
+    "dp_replicate_size=..., dp_shard_size=..., tp_size=...))."
 )
 
 
@@ -99,7 +101,8 @@ class Accelerator:
             with `split_batches`.
         deepspeed_plugin: must be None (mpaccel does not drive DeepSpeed).
         fsdp_plugin: a FullyShardedDataParallelPlugin: prepared models are fully sharded.
-        torch_tp_plugin: must be None (mpaccel does no tensor parallelism).
+        torch_tp_plugin: must be None (Accelerate's deprecated TP plugin; tensor parallelism
+            is `parallelism_config=ParallelismConfig(tp_size=...)`).
         megatron_lm_plugin: must be None (mpaccel does not drive Megatron-LM).
         rng_types: the generators prepared loaders synchronise from rank 0 each pass;
             None: ["generator"].
@@ -118,7 +121,9 @@ class Accelerator:
             with `dynamo_plugin`.
         dynamo_plugin: a TorchDynamoPlugin for torch.compile; None: one with `dynamo_backend`.
         deepspeed_plugins: must be None, as `deepspeed_plugin` (it takes its place if given).
-        parallelism_config: a ParallelismConfig giving the shape of the FSDP mesh.
+        parallelism_config: a ParallelismConfig: the N-D mesh (data-parallel replication and
+            sharding, context and tensor parallelism; docs/training.md); None: one from
+            PARALLELISM_CONFIG_* when ACCELERATE_USE_PARALLELISM_CONFIG=true.
         even_batches: overrides `dataloader_config.even_batches` when not None (keyword only).
 
     Raises:
@@ -186,6 +191,8 @@ class Accelerator:
         elif project_dir is not None:
             project_config.set_directories(project_dir)
         rng_types = rng_types if rng_types is not None else ["generator"]
+        if parallelism_config is None and envvars.get_bool("use_parallelism_config", False):
+            parallelism_config = ParallelismConfig()  # sizes from PARALLELISM_CONFIG_*
 
         self.state = AcceleratorState(
             mixed_precision=mixed_precision,
@@ -406,9 +413,9 @@ class Accelerator:
         return self.state.strategy
 
     def _mesh_rank(self, dim: str, what: str) -> int:
-        """This rank's index along the mesh dimension `dim` ('dp_replicate', 'dp_shard', 'tp'), 0
-        where the ParallelismConfig leaves it at size 1 (tp always: mpaccel drives no tensor
-        parallelism); an error without a ParallelismConfig, as Accelerate's."""
+        """This rank's index along the mesh dimension `dim` ('dp_replicate', 'dp_shard', 'tp',
+        'cp'), 0 where the ParallelismConfig leaves it at size 1; an error without a
+        ParallelismConfig, as Accelerate's."""
         config = self.state.parallelism_config
         if config is None:
             message = f"{what} is not configured: the Accelerator has no parallelism_config"
@@ -434,7 +441,10 @@ class Accelerator:
 
     @property
     def torch_device_mesh(self) -> Any:
-        """Not collective. The device mesh FSDP shards over; None without FSDP."""
+        """Not collective. The device mesh models are parallelised over: with a
+        ParallelismConfig, Accelerate's dimensions of size > 1 in its order (dp_replicate,
+        dp_shard, cp, tp) and the flattened dp, dp_shard_cp, dp_cp (a 'dp_shard' of size 1 is
+        kept under FSDP, which shards over it); else FSDP's mesh; None without either."""
         return self.state.device_mesh
 
     @property
@@ -458,17 +468,23 @@ class Accelerator:
 
     @property
     def tensor_parallel_rank(self) -> int:
-        """Not collective. 0 with a ParallelismConfig (mpaccel drives no tensor parallelism:
-        every rank holds the same slice); RuntimeError without one, as Accelerate's."""
+        """Not collective. This rank's index in its tensor-parallel group (mesh dimension
+        'tp'): 0 where tp_size is 1; RuntimeError without a ParallelismConfig, as
+        Accelerate's."""
         return self._mesh_rank("tp", "tensor parallelism")
 
     @property
     def context_parallel_rank(self) -> int:
-        """Not collective. NotImplementedError, as Accelerate's: there is no context
-        parallelism."""
+        """Not collective. This rank's index in its context-parallel group (mesh dimension
+        'cp') where cp_size > 1 (on GPUs); else NotImplementedError, as Accelerate's."""
+        config = self.state.parallelism_config
+        if config is not None and config.cp_enabled:
+            return self.strategy.mesh_rank("cp")
         raise NotImplementedError(with_hint(
-            "context parallelism is not supported (in Accelerate neither)",
-            "split long sequences yourself; ParallelismConfig's cp_size must be 1.",
+            "context parallelism is not configured (Accelerate's context_parallel_rank raises "
+            "as well)",
+            "pass ParallelismConfig(cp_size=N) on GPUs (torch has no CPU context parallel "
+            "attention).",
         ))  # fmt: skip
 
     @property
@@ -487,23 +503,30 @@ class Accelerator:
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[Any] | None = None,
     ) -> Iterator[None]:
-        """Not collective. No effect, as Accelerate's without context parallelism (cp_size 1,
-        the only size mpaccel takes): the buffers stay whole. Warns once per process, as
-        Accelerate's.
+        """Not collective to enter. With cp_size > 1 (GPUs), torch's context_parallel over
+        mesh['cp']: inside the block each rank holds its part of `buffers` along their
+        sequence dimensions. Without, no effect, as Accelerate's: the buffers stay whole
+        (warns once per process, as Accelerate's).
 
         Args:
-            buffers: accepted and ignored (Accelerate's tensors to split by sequence).
-            buffer_seq_dims: accepted and ignored (their sequence dimensions).
-            no_restore_buffers: accepted and ignored (buffers not restored after the block).
+            buffers: the tensors to split by sequence (inputs, labels, position ids).
+            buffer_seq_dims: their sequence dimensions, one per buffer.
+            no_restore_buffers: buffers not restored to whole after the block.
         """
+        config = self.state.parallelism_config
+        if config is not None and config.cp_enabled:
+            with self.strategy.context_parallel(
+                list(buffers or []), list(buffer_seq_dims or []), set(no_restore_buffers or ())
+            ):
+                yield
+            return
         del buffers, buffer_seq_dims, no_restore_buffers
         global _warned_no_context_parallel
         if not _warned_no_context_parallel:
             _warned_no_context_parallel = True
             warnings.warn(
-                "maybe_context_parallel() has no effect: mpaccel drives no context "
-                "parallelism (ParallelismConfig's cp_size must be 1), as Accelerate's without "
-                "cp_size > 1; every rank sees whole sequences",
+                "maybe_context_parallel() has no effect without ParallelismConfig(cp_size > 1), "
+                "as Accelerate's; every rank sees whole sequences",
                 MpaccelWarning,
                 stacklevel=3,
             )
@@ -891,6 +914,16 @@ class Accelerator:
                 self._data_seed = agreed_seed(self._partial.comm)
             seed = self._data_seed
         place = device_placement if device_placement is not None else self.device_placement
+        dispatch = config.dispatch_batches
+        if self.strategy.data_parallel_size != self.num_processes:
+            if dispatch:
+                raise ConfigurationError(
+                    "dispatch_batches=True with tensor or context parallelism: mpaccel deals "
+                    "batches to every rank, but the ranks of one tp/cp group must read the same",
+                    "pass DataLoaderConfiguration(dispatch_batches=False): each data-parallel "
+                    "group then reads its own batches.",
+                )
+            dispatch = False
         shard = build_prepared(
             data_loader,
             device=self.device if place else None,
@@ -900,7 +933,7 @@ class Accelerator:
             split_batches=config.split_batches,
             put_on_device=place,
             rng_types=list(self.rng_types),
-            dispatch_batches=config.dispatch_batches,
+            dispatch_batches=dispatch,
             even_batches=config.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
             use_seedable_sampler=config.use_seedable_sampler,
@@ -1175,7 +1208,9 @@ class Accelerator:
         """Collective: gather(), minus the samples even_batches repeated in the last batch, so
         metrics see each sample of the dataset exactly once. Data with any leaf that is not a
         tensor goes, whole, through gather_object (a flat list: the last batch is cut down to
-        its real samples).
+        its real samples). With tensor or context parallelism the ranks of one tp/cp group
+        read the same batch, and only the group's first rank adds its samples (a 0-d tensor
+        is one row, one per group).
 
         Args:
             input_data: this rank's predictions or labels: tensors (nested or not), or any
@@ -1183,6 +1218,16 @@ class Accelerator:
             use_gather_object: gather as Python objects even when every leaf is a tensor.
         """
         use_gather_object = use_gather_object or not ops.only_tensors(input_data)
+        if self.strategy.data_parallel_size != self.num_processes:
+            # The ranks of a tp/cp group read the same batches: the group's first rank adds its
+            # rows, the others none. Every rank reshapes alike (a 0-d tensor as one row), and a
+            # rank that fails to is every rank's error, not the others' wait in the gather.
+            reports = self.strategy.reports_metrics
+            with agreement(self._partial.comm, "gather_for_metrics (one rank per tp/cp group)"):
+                if use_gather_object:
+                    input_data = input_data if reports else []
+                else:
+                    input_data = ops.rows_to_gather(input_data, keep=reports)
         if use_gather_object:
             data = ops.gather_object(self._partial.comm, input_data)
         else:
@@ -1367,9 +1412,15 @@ class Accelerator:
             save_directory: the directory to write into.
             max_shard_size: the largest shard, in bytes or as a string ("10GB", "500MB").
             safe_serialization: safetensors files; False: mpaccel's HDF5 shards.
+
+        Raises:
+            ConfigurationError: the strategy cannot save this model yet (a tensor-parallel
+                one), on every rank that calls it, before anything is written.
         """
+        unwrapped = self.unwrap_model(model)
+        self.strategy.check_savable(unwrapped)  # before any rank writes or waits
         checkpoint.save_model(
-            self._partial.comm, self.unwrap_model(model), save_directory, max_shard_size,
+            self._partial.comm, unwrapped, save_directory, max_shard_size,
             safe_serialization=safe_serialization,
         )
 

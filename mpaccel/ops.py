@@ -444,6 +444,23 @@ def pad_across_processes(
     return _rebuild(data, one)
 
 
+def rows_to_gather(data: Any, keep: bool) -> Any:
+    """Not collective. What one rank adds to a gather: every tensor of `data` as rows (a 0-d
+    tensor as one row, as gather counts it), all of them if `keep`, else none (the trailing
+    dimensions kept, so that the ranks' tensors still agree in gather's shape check).
+
+    Args:
+        data: a tensor, or nested lists, tuples and dicts of tensors.
+        keep: add the rows; False: add none.
+    """
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        flat = tensor.reshape(1) if tensor.ndim == 0 else tensor
+        return flat if keep else flat[:0]
+
+    return _rebuild(data, rows)
+
+
 def truncate(data: Any, count: int) -> Any:
     """Not collective. The first `count` rows of every tensor.
 

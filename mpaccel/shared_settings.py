@@ -113,7 +113,7 @@ def of_state(fsdp_plugin: Any, parallelism_config: Any, mixed_precision: str) ->
                 + (f" or {variable}" if variable else ""),
             ))  # fmt: skip
     if parallelism_config is not None:
-        for field in ("dp_replicate_size", "dp_shard_size"):
+        for field in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
             settings.append(Setting(
                 f"parallelism_config.{field}",
                 canonical(getattr(parallelism_config, field)),

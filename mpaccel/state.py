@@ -447,7 +447,8 @@ def _required_index(value: int | None, method: str, name: str) -> int:
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 _ENGINES = {
     "deepspeed_plugin": "DeepSpeed",
-    "torch_tp_plugin": "tensor parallelism",
+    "torch_tp_plugin": "Accelerate's TorchTensorParallelPlugin (here tensor parallelism is "
+    "ParallelismConfig(tp_size=...))",
     "megatron_lm_plugin": "Megatron-LM",
 }
 
@@ -481,7 +482,8 @@ class AcceleratorState:
         fsdp_plugin: a FullyShardedDataParallelPlugin to shard models with.
         torch_tp_plugin: must be None.
         megatron_lm_plugin: must be None.
-        parallelism_config: a ParallelismConfig giving the shape of the FSDP mesh.
+        parallelism_config: a ParallelismConfig: the N-D mesh (data-parallel, tensor and
+            context parallelism) the strategy is chosen and built from.
         **kwargs: PartialState's: InitProcessGroupKwargs' backend, init_method, timeout.
     """
 

@@ -122,7 +122,7 @@ def test_other_missing_members_stay_plain_errors(accelerator):
 
 
 def test_maybe_context_parallel_has_no_effect_as_accelerates_without_it(accelerator):
-    """Accelerate's does nothing (and warns once) unless cp_size > 1, which mpaccel refuses:
+    """Accelerate's does nothing (and warns once) unless cp_size > 1 (GPUs only in mpaccel):
     a script that wraps every step in it runs."""
     import mpaccel.accelerator as parallelism
 

@@ -1,6 +1,7 @@
 """Accelerate's configuration classes for engines mpaccel does not drive (DeepSpeed,
-Megatron-LM, tensor parallelism): importable, so that scripts naming them import; building one
-is a ConfigurationError saying what to use instead (`SHARD_INSTEAD`)."""
+Megatron-LM, Accelerate's older tensor-parallel plugin): importable, so that scripts naming
+them import; building one is a ConfigurationError saying what to use instead
+(`SHARD_INSTEAD`)."""
 
 from __future__ import annotations
 
@@ -49,5 +50,8 @@ class MegatronLMPlugin(Refused):
 
 
 class TorchTensorParallelPlugin(Refused):
-    _engine = "tensor parallelism"
+    _engine = (
+        "Accelerate's TorchTensorParallelPlugin (here tensor parallelism is "
+        "ParallelismConfig(tp_size=...))"
+    )
     _hint = _DDP_INSTEAD

@@ -6,29 +6,32 @@ for training (`place`, `wrap`), how optimizers built over the user's parameters 
 parameters that train (`optimizers_follow`), how gradients are kept local or synchronised
 (`no_sync`), how their norm is clipped (`clip_grad_norm_`), what a model's state is whole and
 as this rank holds it (`full_state_dict`, `sharded_state_dict`), which checkpoint entries hold
-rows per rank (`checkpoint_entries`, `is_sharded`: save_model's choice of writer), and over how
-many ranks data loaders shard their batches (`data_parallel_size`, `data_parallel_rank`).
+rows per rank (`checkpoint_entries`, `is_sharded`: save_model's choice of writer;
+`check_savable`: what cannot be saved yet), and over how many ranks data loaders shard their
+batches (`data_parallel_size`, `data_parallel_rank`).
 
-Two strategies exist: `DataParallel` (one process, or DistributedDataParallel) and
-`FullySharded` (torch's FSDP2 over a 1-D mesh, or HSDP over a 2-D replicate x shard mesh).
+Three strategies exist: `DataParallel` (one process, or DistributedDataParallel),
+`FullySharded` (torch's FSDP2 over a 1-D mesh, or HSDP over a 2-D replicate x shard mesh) and
+`TensorParallel` (strategy/tensor_parallel.py), which composes with either as follows.
 
-How tensor parallelism will compose with either, without a change to the Accelerator: a
-`TensorParallel` strategy holds a data-parallel strategy (either of the two) and a mesh with a
-'tp' dimension beside the data-parallel ones (strategy/mesh.py builds it; the data-parallel
-strategy receives the mesh without 'tp'). `place` first parallelises the model over mesh['tp']
-(torch's parallelize_module), then hands it to the inner strategy's `place` (fully_shard over
-the data-parallel dimensions, or the device for DDP); every other method delegates to the inner
-strategy, except where the tensor-parallel dimension changes the answer: `data_parallel_size`
-and `data_parallel_rank` count tensor-parallel groups, not ranks (the ranks of one group read
-the same batches), `clip_grad_norm_` reduces the norms of DTensor gradients over their own
-meshes (FullySharded's already groups them by mesh), and the checkpoint's sharded entries take
-one more slice shape (a DTensor split along 'tp'). The Accelerator keeps calling this interface;
+How tensor parallelism composes with either, without a change to the Accelerator: a
+`TensorParallel` strategy holds a data-parallel strategy (FullySharded over the data-parallel
+dimensions of the mesh, or DataParallel when they are all of size 1: pure TP) and the N-D mesh
+(strategy/mesh.py builds it). `place` first splits the model over mesh['tp'] (torch's
+parallelize_module), then hands it to the inner strategy's `place`; every other method
+delegates to the inner strategy, except where the tensor-parallel dimension changes the answer:
+`data_parallel_size`, `data_parallel_rank` and `reports_metrics` count tensor-parallel groups,
+not ranks (the ranks of one group read the same batches), `wrap` and `joins_uneven_inputs` (no
+DDP around DTensors), `optimizers_follow`, `clip_grad_norm_` and `full_state_dict` (DTensor
+parameters, even without FSDP2), `context_parallel` (over mesh['cp']) and the checkpoint
+methods, which refuse a tensor-parallel model until the strategy hands it to the checkpoint's
+N-D blocks. The Accelerator keeps calling this interface;
 AcceleratorState picks the composed strategy from the ParallelismConfig's tp_size."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -64,9 +67,23 @@ class Strategy:
         """Which of those batches this rank reads."""
         return self.process_index
 
+    @property
+    def reports_metrics(self) -> bool:
+        """Whether this rank's samples count in gather_for_metrics: every rank's, but where
+        several ranks read the same batches (a tensor-parallel group), the first one's."""
+        return True
+
+    def context_parallel(
+        self, buffers: list[Any], buffer_seq_dims: list[int], no_restore_buffers: set[Any]
+    ) -> AbstractContextManager[Any]:
+        """Not collective to enter. Where the strategy splits sequences over a 'cp' mesh
+        dimension, the block sees each rank's part of `buffers`; a null context elsewhere."""
+        del buffers, buffer_seq_dims, no_restore_buffers
+        return nullcontext()
+
     def mesh_rank(self, dim: str) -> int:
-        """This rank's index along the mesh dimension `dim` ('dp_replicate', 'dp_shard'); 0
-        where there is no mesh."""
+        """Not collective. This rank's index along the mesh dimension `dim` ('dp_replicate',
+        'dp_shard', 'cp', 'tp'); 0 where there is no mesh."""
         if self.mesh is None:
             return 0
         return int(self.mesh.get_local_rank(dim))
@@ -148,6 +165,12 @@ class Strategy:
         the same parameter (where the strategy's state dict shows them apart)."""
         del model
         return set()
+
+    def check_savable(self, model: torch.nn.Module) -> None:
+        """Not collective (every rank answers alike). Raise a ConfigurationError, before
+        anything is written, where this strategy's checkpoints cannot hold `model` (an
+        unwrapped, prepared model) yet; nothing where they can."""
+        del model
 
     def checkpoint_entries(
         self, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any], loading: bool

@@ -1,5 +1,7 @@
-"""Which strategy a job trains with, decided once by AcceleratorState: FSDP2 with an FSDP
-plugin (given, or built from Accelerate's variables), data parallelism otherwise."""
+"""Which strategy a job trains with, decided once by AcceleratorState: tensor (or context)
+parallelism when the ParallelismConfig asks for it (composed with FSDP2 given an FSDP plugin),
+FSDP2 with an FSDP plugin (given, or built from Accelerate's variables), data parallelism
+otherwise."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from ..errors import ConfigurationError
 from .base import Strategy
 from .data_parallel import DataParallel
 from .fully_sharded import FullySharded
+from .mesh import resolve_auto
+from .tensor_parallel import TensorParallel
 
 
 def choose_plugin(
@@ -31,35 +35,21 @@ def choose_plugin(
             )
     if fsdp_plugin is None and envvars.get_bool("use_fsdp", False):
         fsdp_plugin = FullyShardedDataParallelPlugin()
-    if parallelism_config is not None:
-        check_data_parallel_only(parallelism_config)
-    if fsdp_plugin is None and parallelism_config is not None and parallelism_config.total_size > 1:
+    if parallelism_config is not None and not parallelism_config.has_auto:
+        check_data_parallel(fsdp_plugin, parallelism_config)
+    return fsdp_plugin
+
+
+def check_data_parallel(fsdp_plugin: Any, parallelism_config: ParallelismConfig) -> None:
+    """Not collective. Data-parallel sizes > 1 in a ParallelismConfig need an FSDP plugin (the
+    mesh is FSDP2's; without a ParallelismConfig, mpaccel trains with DDP)."""
+    if fsdp_plugin is None and parallelism_config.data_parallel_size > 1:
         raise ConfigurationError(
             f"ParallelismConfig(dp_replicate_size={parallelism_config.dp_replicate_size}, "
             f"dp_shard_size={parallelism_config.dp_shard_size}) shapes a fully sharded mesh, "
             "but no fsdp_plugin was given",
             "pass fsdp_plugin=FullyShardedDataParallelPlugin() as well, or drop "
             "parallelism_config (mpaccel then trains with DistributedDataParallel).",
-        )
-    return fsdp_plugin
-
-
-def check_data_parallel_only(parallelism_config: ParallelismConfig) -> None:
-    """Not collective. The sizes this version drives: data-parallel ones, given as numbers
-    (no strategy splits layers or sequences yet, and nothing chooses "auto" sizes)."""
-    sizes = {"tp_size": parallelism_config.tp_size, "cp_size": parallelism_config.cp_size,
-             "dp_replicate_size": parallelism_config.dp_replicate_size,
-             "dp_shard_size": parallelism_config.dp_shard_size}  # fmt: skip
-    others = {
-        name: value for name, value in sizes.items()
-        if value == "auto" or (name in ("tp_size", "cp_size") and value != 1)
-    }  # fmt: skip
-    if others:
-        raise ConfigurationError(
-            f"ParallelismConfig({', '.join(f'{k}={v!r}' for k, v in others.items())}): mpaccel "
-            "drives no tensor or context parallelism and chooses no 'auto' size yet",
-            "leave tp_size and cp_size at 1 and give dp_replicate_size and dp_shard_size as "
-            "numbers: they shape the data-parallel mesh.",
         )
 
 
@@ -68,7 +58,15 @@ def build(
 ) -> Strategy:
     """Collective: every rank calls this with the same plugin (AcceleratorState compared the
     settings first). The strategy for `choose_plugin`'s answer, over the PartialState
-    `partial`: FullySharded (its device mesh built here) with a plugin, else DataParallel."""
+    `partial`: TensorParallel when the ParallelismConfig has tp_size or cp_size > 1 (its N-D
+    mesh built here; "auto" sizes chosen from the nodes first), else FullySharded (its device
+    mesh built here) with a plugin, else DataParallel."""
+    config = parallelism_config
+    if config is not None and config.has_auto:
+        resolve_auto(partial, config)  # collective; every rank gets the same sizes or error
+        check_data_parallel(fsdp_plugin, config)
+    if config is not None and (config.tp_enabled or config.cp_enabled):
+        return TensorParallel(partial, fsdp_plugin, config)
     if fsdp_plugin is not None:
         return FullySharded(partial, fsdp_plugin, parallelism_config)
     return DataParallel(partial)
