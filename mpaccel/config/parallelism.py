@@ -16,8 +16,8 @@ from .kwargs import KwargsHandler
 
 AUTO = "auto"
 #: the styles a tensor-parallel plan names (torch's ParallelStyles; transformers' plans also
-#: say "colwise_rep", "rowwise_rep", "local_colwise", ... which mpaccel maps in
-#: strategy/tensor_parallel.py)
+#: say "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", ..., which
+#: strategy/tensor_parallel.py maps to these where torch expresses them)
 PLAN_STYLES = ("colwise", "rowwise", "sequence_parallel")
 #: the mesh dimensions in Accelerate's order (it also knows "sp", DeepSpeed's, refused here)
 DIM_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -27,8 +27,9 @@ DIM_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
 class TorchTensorParallelConfig(KwargsHandler):
     """Accelerate's tensor-parallel handler (`ParallelismConfig(tp_handler=...)`), plus the
     plan mpaccel applies to a plain torch model in prepare(): `tp_plan` maps module-name
-    patterns (fnmatch: `layers.*.attn.q`, as transformers' `base_model_tp_plan` writes them) to
-    "colwise", "rowwise" or "sequence_parallel" (transformers' style names are accepted too).
+    patterns (`layers.*.attn.q`, `*` one name segment, as transformers' `base_model_tp_plan`
+    writes them) to "colwise", "rowwise" or "sequence_parallel" (and the names transformers
+    gives the variants torch expresses: strategy/tensor_parallel.py's STYLE_ALIASES).
     None: the model's own plan (`model._tp_plan`, else `model.config.base_model_tp_plan`), if
     it has one. A model whose parameters are DTensors already (transformers'
     `from_pretrained(tp_plan="auto", device_mesh=...)`) is used as it is.

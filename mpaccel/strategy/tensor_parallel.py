@@ -82,10 +82,34 @@ STYLES = {
                     else LINEAR_OR_EMBEDDING)
     for kind in PLAN_STYLES
 }  # fmt: skip
-#: transformers' style names (its models' `_tp_plan` and `config.base_model_tp_plan`) that
-#: torch's styles express
+#: transformers' style names (its models' `_tp_plan` and `config.base_model_tp_plan`; its
+#: distributed/tensor_parallel.py registers them) that torch's styles express: a colwise layer
+#: whose output is gathered, a rowwise layer whose input arrives whole, and an embedding split
+#: by vocabulary (rowwise, the ranks' lookups summed) or by hidden features (colwise, gathered)
 STYLE_ALIASES = {
     "colwise_rep": PlanStyle("colwise", replicated_output=True),
+    "colwise_gather_output": PlanStyle("colwise", replicated_output=True),
+    "rowwise_rep": PlanStyle("rowwise", replicated_input=True),
+    "rowwise_split_input": PlanStyle("rowwise", replicated_input=True),
+    "embedding_rowwise": PlanStyle("rowwise", replicated_input=True,
+                                   modules=(torch.nn.Embedding,)),
+    "embedding_colwise": PlanStyle("colwise", replicated_output=True,
+                                   modules=(torch.nn.Embedding,)),
+}  # fmt: skip
+#: transformers' styles that torch's ParallelStyles do not express, and what each does
+TRANSFORMERS_ONLY = {
+    "unit_colwise": "splits attention heads, replicating them when there are fewer than ranks",
+    "unit_rowwise": "splits an attention output projection by unit_colwise's whole heads",
+    "packed_colwise": "splits fused weights (gate and up in one) part by part",
+    "packed_rowwise": "the rowwise side of packed_colwise's fused weights",
+    "replicated_with_grad_allreduce": "sums the gradients of a norm that sees only this "
+    "rank's heads",
+    "mla_kv_a_proj": "all-reduces the gradient of the rotary slice of an MLA projection",
+    "all_reduce": "all-reduces a module's partial output (mixture-of-experts blocks)",
+    "moe_tp_experts": "splits every expert of a mixture-of-experts layer",
+    "local_params": "runs a module on the local parts of parameters other entries split",
+    "replicate": "keeps a parameter whole on every rank (mpaccel does that for every "
+    "parameter a plan leaves out)",
 }
 
 #: why checkpoints refuse a tensor-parallel model: the checkpoint stores N-D blocks, but this
@@ -175,14 +199,23 @@ def style_of(key: str, name: str) -> PlanStyle:
     """Not collective. How mpaccel applies the style `name` of the plan entry `key`; a name
     it does not know is a ConfigurationError."""
     found = STYLES.get(name) or STYLE_ALIASES.get(name)
-    if found is None:
+    if found is not None:
+        return found
+    known = f"mpaccel applies the styles {list(STYLES)} and transformers' {list(STYLE_ALIASES)}"
+    if name in TRANSFORMERS_ONLY:
         raise ConfigurationError(
-            f"tensor-parallel plan {{{key!r}: {name!r}}}: mpaccel applies the styles "
-            f"{list(STYLES)} and transformers' {list(STYLE_ALIASES)}",
-            "use 'colwise' for a layer whose output features are split, 'rowwise' for the "
-            "one after it, 'sequence_parallel' for norms between them.",
+            f"tensor-parallel plan {{{key!r}: {name!r}}}: transformers' style {name!r} "
+            f"({TRANSFORMERS_ONLY[name]}) has no torch ParallelStyle; {known}",
+            "let transformers split the model: from_pretrained(..., tp_plan='auto', "
+            "device_mesh=accelerator.torch_device_mesh['tp']) (prepare() takes its DTensor "
+            "parameters as they are), or pass TorchTensorParallelConfig(tp_plan=...) with "
+            "the styles above only.",
         )
-    return found
+    raise ConfigurationError(
+        f"tensor-parallel plan {{{key!r}: {name!r}}}: {known}",
+        "use 'colwise' for a layer whose output features are split, 'rowwise' for the "
+        "one after it, 'sequence_parallel' for norms between them.",
+    )
 
 
 def check_plan_fits(model: torch.nn.Module, plan: Mapping[str, str]) -> None:

@@ -241,3 +241,48 @@ def test_context_parallel_on_cpu_is_refused_with_the_reason(comm):
         pytest.skip("context parallelism needs 2 ranks or more")
     with pytest.raises(ConfigurationError, match="no CPU implementation of context parallel"):
         accelerator(parallelism_config=ParallelismConfig(cp_size=comm.size))
+
+
+def test_transformers_styles_torch_cannot_express_are_refused_with_a_hint():
+    from mpaccel.strategy.tensor_parallel import STYLE_ALIASES, style_of
+
+    assert style_of("lm_head", "colwise_gather_output") == STYLE_ALIASES["colwise_rep"]
+    with pytest.raises(ConfigurationError,
+                       match=r"(?s)'unit_colwise' \(splits attention heads.*HINT.*tp_plan='auto'"):
+        style_of("layers.*.self_attn.k_proj", "unit_colwise")
+
+
+def test_a_tiny_llama_splits_by_its_own_plan_and_matches_one_process(comm):
+    """transformers' LlamaForCausalLM (built from a LlamaConfig, no download): its plan says
+    embedding_rowwise, colwise, rowwise and colwise_gather_output."""
+    if comm.size == 1:
+        pytest.skip("tensor parallelism needs 2 ranks or more")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config)
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    reference = build()
+    expected = reference(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+
+    acc = accelerator(parallelism_config=ParallelismConfig(tp_size=comm.size))
+    model = acc.prepare(build())
+    assert model.model.embed_tokens.weight.placements[0].is_shard(0)  # by vocabulary
+    assert model.lm_head.weight.placements[0].is_shard(0)
+    assert model.model.layers[0].self_attn.o_proj.weight.placements[0].is_shard(1)
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits.shape == (2, 8, 64) and not isinstance(out.logits, DTensor)  # gathered
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+    acc.backward(out.loss)
+    norm = acc.clip_grad_norm_(model.parameters(), 1.0)
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=1e-6)
