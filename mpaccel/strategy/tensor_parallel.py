@@ -26,6 +26,7 @@ from .base import Strategy
 from .data_parallel import DataParallel
 from .fully_sharded import (
     FullySharded,
+    OptimizerState,
     attach_optimizers,
     check_optimizers,
     clip_grad_norm_,
@@ -492,17 +493,17 @@ class TensorParallel(Strategy):
     def checkpoint_entries(
         self, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any], loading: bool
     ) -> dict[str, Any]:
-        """Not collective. Refused for now for tensor-parallel models (check_savable), raised
-        alike on every rank; the inner strategy's entries otherwise."""
-        if any(is_tensor_parallel(m) for m in models.values()):
-            raise ConfigurationError(
-                f"save_state/load_state of a tensor-parallel model: {TP_NOT_WIRED}",
-                TP_CHECKPOINT_HINT,
-            )
-        return self.inner.checkpoint_entries(models, optimizers, loading)
+        """Not collective. The models holding DTensors (split over tp, sharded by the inner
+        FSDP2, or both: each rank saves its N-D block of every tensor) and, if there is one,
+        every optimizer (prepare() built them all over those DTensors) as an OptimizerState."""
+        entries: dict[str, Any] = {n: m for n, m in models.items() if self.is_sharded(m)}
+        if entries:
+            entries.update({n: OptimizerState(o, create=loading) for n, o in optimizers.items()})
+        return entries
 
     def summed_gradients(self, model: torch.nn.Module, keys: list[str] | None) -> Any:
-        """Not collective. Refused for now, as checkpoint_entries."""
+        """Not collective. Refused for now: a save mid-accumulation of a tensor-parallel
+        model."""
         raise ConfigurationError(
             f"the gradients of a tensor-parallel model: {TP_NOT_WIRED}",
             TP_CHECKPOINT_HINT,
