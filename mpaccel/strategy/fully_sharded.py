@@ -725,7 +725,9 @@ class SummedGradients:
     synchronising backward averages them over the ranks, reduce-scatters them and adds them
     to `p.grad`. state_dict() (collective over the model's mesh) does that reduction into new
     memory, leaving FSDP's own state alone: p.grad + the ranks' average of the pending
-    gradients. load_state_dict() sets `p.grad` to it and drops pending gradients, so the next
+    gradients (under tensor parallelism, TensorParallel's inner FSDP2, each pending gradient is
+    this rank's tp part: averaged over the data-parallel mesh dims only, its tp placement
+    kept). load_state_dict() sets `p.grad` to it and drops pending gradients, so the next
     synchronising backward adds the rest as it would have. `keys`: the gradients a load
     expects (those the checkpoint holds). FullySharded.summed_gradients hands it to the
     checkpoint (TrainingState.summed_gradients), which calls `restorer()` to undo a failed
@@ -755,22 +757,27 @@ class SummedGradients:
             return {key: torch.zeros_like(params[key]).detach() for key in self.keys}
         from torch.distributed.tensor import DTensor, Partial
 
-        pending: dict[int, torch.Tensor] = {}
+        pending: dict[int, tuple[torch.Tensor, Any]] = {}
         for fsdp_param in self._pending():
             grad = fsdp_param.unsharded_accumulated_grad
             if grad is None and hasattr(fsdp_param, "_unsharded_param"):
                 grad = fsdp_param._unsharded_param.grad
             if grad is not None:
+                # under TP, a DTensor on mesh['tp']: this tp rank's part, whole over dp
+                tp = grad.placements[-1] if isinstance(grad, DTensor) else None
                 local = grad.to_local() if isinstance(grad, DTensor) else grad
-                pending[id(fsdp_param.sharded_param)] = local
+                pending[id(fsdp_param.sharded_param)] = (local, tp)
         out = {}
         for name, p in params.items():
             total = p.grad
-            local = pending.get(id(p))
+            local, tp = pending.get(id(p), (None, None))
             if local is not None and isinstance(p, DTensor):
                 mesh = p.device_mesh
+                # averaged over the data-parallel dims only; the tp part stays this rank's
+                placements = [tp if dim == "tp" and tp is not None else Partial("avg")
+                              for dim in (mesh.mesh_dim_names or ("",) * mesh.ndim)]
                 summed = DTensor.from_local(
-                    local.to(p.dtype), mesh, [Partial("avg")] * mesh.ndim, run_check=False,
+                    local.to(p.dtype), mesh, placements, run_check=False,
                     shape=p.shape, stride=p.stride(),
                 ).redistribute(mesh, p.placements)
                 total = summed if total is None else total + summed

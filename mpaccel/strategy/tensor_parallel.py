@@ -27,10 +27,12 @@ from .data_parallel import DataParallel
 from .fully_sharded import (
     FullySharded,
     OptimizerState,
+    SummedGradients,
     attach_optimizers,
     check_optimizers,
     clip_grad_norm_,
     detach_optimizers,
+    fsdp_module,
     full_state_dict,
     has_meta_tensors,
     structure,
@@ -323,6 +325,41 @@ def broadcast_plain(model: torch.nn.Module) -> None:
                 distributed.broadcast(tensor.data, 0)
 
 
+class HeldGradients:
+    """The gradients of a pure tensor-parallel model, as each rank holds them (`p.grad`, a
+    DTensor like its parameter: nothing synchronises them later), as a Stateful of the
+    sharded part of a checkpoint. `keys`: the gradients a load expects (those the checkpoint
+    holds); load_state_dict() sets `p.grad`, restorer() undoes it after a failed load."""
+
+    def __init__(self, module: torch.nn.Module, keys: list[str] | None = None) -> None:
+        self.module = module
+        self.keys = keys
+
+    def _params(self) -> dict[str, Any]:
+        return {name: p for name, p in self.module.named_parameters() if p.requires_grad}
+
+    def state_dict(self) -> dict[str, Any]:
+        params = self._params()
+        if self.keys is not None:  # targets of a load, split like the parameters
+            return {key: torch.zeros_like(params[key]).detach() for key in self.keys}
+        return {name: p.grad.detach() for name, p in params.items() if p.grad is not None}
+
+    def restorer(self) -> Any:
+        """A callable that gives the model back the `.grad`s it holds now."""
+        grads = [(p, p.grad) for p in self._params().values()]
+
+        def restore() -> None:
+            for p, grad in grads:
+                p.grad = grad
+
+        return restore
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = self._params()
+        for key, value in state.items():
+            params[key].grad = value
+
+
 class TensorParallel(Strategy):
     """Tensor (and context) parallelism over the N-D mesh of `parallelism_config`, composed
     with FullySharded over its data-parallel dimensions (given an FSDP `plugin`), or with
@@ -502,12 +539,13 @@ class TensorParallel(Strategy):
         return entries
 
     def summed_gradients(self, model: torch.nn.Module, keys: list[str] | None) -> Any:
-        """Not collective. Refused for now: a save mid-accumulation of a tensor-parallel
-        model."""
-        raise ConfigurationError(
-            f"the gradients of a tensor-parallel model: {TP_NOT_WIRED}",
-            TP_CHECKPOINT_HINT,
-        )
+        """Not collective to build; its state_dict() is collective over the model's mesh
+        under FSDP2. With FSDP2 (TP x FSDP2), the inner strategy's SummedGradients, which
+        averages FSDP's pending gradients over the data-parallel dims only; for pure TP, the
+        gradients as each rank holds them (HeldGradients: nothing is pending)."""
+        if fsdp_module(model) is not None:
+            return SummedGradients(model, keys)
+        return HeldGradients(model, keys)
 
     def context_parallel(
         self, buffers: list[Any], buffer_seq_dims: list[int], no_restore_buffers: set[Any]
