@@ -1404,8 +1404,8 @@ class Accelerator:
         `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`, Hugging Face's
         layout; with `safe_serialization=False` as mpaccel's HDF5 shards + `model.index.json`
         (never a pickle; read back with `mpaccel.checkpoint.load_model_state(dir)`). Under FSDP
-        every rank must call it: each writes its own rows of the full tensors into the same
-        files, at their offsets (no rank gathers a tensor).
+        every rank must call it, as with tensor parallelism: each writes its own parts of the
+        full tensors into the same files, at their offsets (no rank gathers a tensor).
 
         Args:
             model: a prepared model (it is unwrapped first).
@@ -1414,8 +1414,8 @@ class Accelerator:
             safe_serialization: safetensors files; False: mpaccel's HDF5 shards.
 
         Raises:
-            ConfigurationError: the strategy cannot save this model yet (a tensor-parallel
-                one), on every rank that calls it, before anything is written.
+            ConfigurationError: the strategy cannot save this model, on every rank that
+                calls it, before anything is written.
         """
         unwrapped = self.unwrap_model(model)
         self.strategy.check_savable(unwrapped)  # before any rank writes or waits

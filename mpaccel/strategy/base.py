@@ -24,8 +24,8 @@ delegates to the inner strategy, except where the tensor-parallel dimension chan
 not ranks (the ranks of one group read the same batches), `wrap` and `joins_uneven_inputs` (no
 DDP around DTensors), `optimizers_follow`, `clip_grad_norm_` and `full_state_dict` (DTensor
 parameters, even without FSDP2), `context_parallel` (over mesh['cp']) and the checkpoint
-methods, which refuse a tensor-parallel model until the strategy hands it to the checkpoint's
-N-D blocks. The Accelerator keeps calling this interface;
+methods, which hand a tensor-parallel model, its optimizers and its gradients to the
+checkpoint's N-D blocks. The Accelerator keeps calling this interface;
 AcceleratorState picks the composed strategy from the ParallelismConfig's tp_size."""
 
 from __future__ import annotations

@@ -115,19 +115,6 @@ TRANSFORMERS_ONLY = {
     "parameter a plan leaves out)",
 }
 
-#: why checkpoints refuse a tensor-parallel model: the checkpoint stores N-D blocks, but this
-#: strategy does not yet say what each rank saves and how a load splits it again
-TP_NOT_WIRED = (
-    "the tensor-parallel strategy does not hand its models to the checkpoint yet (what each "
-    "rank saves, how a load splits it again)"
-)
-TP_CHECKPOINT_HINT = (
-    "until it does, gather the whole weights with state = accelerator.get_state_dict(model) "
-    "(every rank calls it; rank 0 gets them) and write them with accelerator.save(state, path, "
-    "safe_serialization=True)."
-)
-
-
 def is_tensor_parallel(model: torch.nn.Module) -> bool:
     """Not collective. Whether any parameter of `model` is a DTensor (split or replicated over a
     mesh: transformers' tp_plan, or a prepare() with tensor parallelism)."""
@@ -518,14 +505,9 @@ class TensorParallel(Strategy):
         return tied_aliases(model) if is_tensor_parallel(model) else self.inner.tied_aliases(model)
 
     def check_savable(self, model: torch.nn.Module) -> None:
-        """Not collective (every rank answers alike: the model's own tensors decide). A
-        tensor-parallel model is refused for now (TP_NOT_WIRED): a ConfigurationError before
-        anything is written."""
-        if is_tensor_parallel(model):
-            raise ConfigurationError(
-                f"saving {type(model).__name__}, a tensor-parallel model: {TP_NOT_WIRED}",
-                TP_CHECKPOINT_HINT,
-            )
+        """Not collective. The inner strategy's answer: a tensor-parallel model is saved as
+        N-D blocks (save_state) or whole tensors written part by part (save_model)."""
+        self.inner.check_savable(model)
 
     def checkpoint_entries(
         self, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any], loading: bool

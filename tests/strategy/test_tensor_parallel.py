@@ -218,20 +218,6 @@ def test_tensor_parallel_answers_every_member_of_the_strategy_protocol():
     assert inherited == {"mesh_rank"}
 
 
-def test_saving_a_tp_model_is_refused_before_anything_is_written(comm, tmp_path):
-    if comm.size == 1:
-        pytest.skip("tensor parallelism needs 2 ranks or more")
-    handler = TorchTensorParallelConfig(tp_plan=PLAN)
-    config = ParallelismConfig(tp_size=comm.size, tp_handler=handler)
-    acc = accelerator(parallelism_config=config)
-    model = acc.prepare(Net())
-    refused = r"(?s)tensor-parallel model: the tensor-parallel strategy does not hand.*HINT"
-    for safe in (True, False):
-        with pytest.raises(ConfigurationError, match=refused):
-            acc.save_model(model, str(tmp_path / f"model-{safe}"), safe_serialization=safe)
-        assert not (tmp_path / f"model-{safe}").exists()
-
-
 def test_context_parallel_on_cpu_is_refused_with_the_reason(comm):
     if comm.size == 1:
         pytest.skip("context parallelism needs 2 ranks or more")

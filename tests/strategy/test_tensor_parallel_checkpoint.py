@@ -1,7 +1,7 @@
 """Checkpoints of tensor-parallel training through the Accelerator: save_state writes each rank's
 N-D blocks (tp, and dp_shard under FSDP2) of the model, its optimizer and, mid-accumulation,
 its gradients; load_state reads them back on another mesh (without TP, at other tp sizes, in
-one process)."""
+one process); save_model writes the whole tensors, each rank its own parts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from mpaccel.checkpoint import CheckpointCollectiveError
+from mpaccel.checkpoint import CheckpointCollectiveError, load_model_state
 from mpaccel.parallelism_config import ParallelismConfig
 from mpaccel.utils import FullyShardedDataParallelPlugin, TorchTensorParallelConfig
 from tests.conftest import accelerator
@@ -117,6 +117,28 @@ def test_resume_mid_accumulation_equals_uninterrupted(comm, mpi_tmp_path, kind):
     tolerance = {"rtol": 0.0, "atol": 0.0} if kind == "pure" else {"rtol": 1e-6, "atol": 1e-7}
     assert resumed == pytest.approx(after, rel=tolerance["rtol"], abs=tolerance["atol"])
     _equal(_full(acc, model, opt), expected, **tolerance)
+
+
+@pytest.mark.parametrize("kind", ["pure", "2d"])
+def test_save_model_writes_the_full_state_dict(comm, mpi_tmp_path, kind):
+    _needs(comm, *((2, 4) if kind == "pure" else (4,)))
+    layout = {"tp": comm.size} if kind == "pure" else {"tp": 2, "dp_shard": comm.size // 2}
+    acc = _accelerator(**layout)
+    model, opt, loader = _prepared(acc)
+    _micro_batches(acc, model, opt, loader, 1)
+    full = acc.get_state_dict(model, all_ranks=True)
+    assert model.blocks[0].down.weight.placements[-1].is_shard(1)  # a block of columns
+    for safe in (True, False):
+        out = mpi_tmp_path / f"model-{safe}"
+        acc.save_model(model, str(out), safe_serialization=safe)
+        comm.Barrier()
+        if safe:
+            import safetensors.torch
+
+            written = safetensors.torch.load_file(str(out / "model.safetensors"))
+        else:
+            written = load_model_state(str(out))
+        _equal(written, full)
 
 
 def test_a_refused_load_changes_nothing_and_every_rank_says_so(comm, mpi_tmp_path):
