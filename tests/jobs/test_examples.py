@@ -106,3 +106,26 @@ def test_process_control_example():
         assert f"process {rank}/4: local {rank}, node 0/1" in everything
     assert "stopping at step 3" in run.stdout[0]
     assert run.stdout[0].count("MULTI_CPU: 4 process(es)") == 1
+
+
+def test_nd_parallel_example_trains_tp_inside_fsdp_and_saves(tmp_path):
+    # once, at tp 2 x dp_shard 2, a few steps (the --tp-size 4 layout is run by hand: docs)
+    ckpt = tmp_path / "ckpt"
+    run = run_mpi(
+        [str(EXAMPLES / "nd_parallel.py"), *"--tp-size 2 --dp-shard-size 2 --steps 8".split(),
+         *"--log-every 4 --output-dir".split(), str(ckpt)],
+        n=4,
+        timeout=300,
+    ).check()
+    out = run.stdout[0]
+    assert "4 process(es), mesh (2, 2) ('dp_shard', 'tp')" in out, out
+    losses = [float(v) for v in re.findall(r"^step \d+ loss ([\d.]+)$", out, re.M)]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, out  # it learns
+    assert all(other.strip() == "" for other in run.stdout[1:]), run.describe()
+    assert re.search(r"^train: 100% 8/8 ", run.stderr[0], re.M), run.stderr[0]  # the bar, rank 0
+    assert all("train:" not in other for other in run.stderr[1:]), run.describe()
+    # the checkpoint: each rank's shard files, committed by their indexes
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert {"state.index.json", "sharded.index.json"} <= set(names), names
+    assert sum(name.endswith(".h5") for name in names) == 8, names
+    assert f"checkpoint {ckpt}: 10 files" in out
