@@ -653,6 +653,8 @@ def shard_model(
         warn(note)
     if placement and not has_meta_tensors(model):
         model = model.to(device)
+    if plugin.mixed_precision_policy is not None:
+        upcast_low_precision(model, announce=comm.rank == 0)
     if plugin.activation_checkpointing:
         blocks = checkpoint_blocks(model, blocks)
     options: dict[str, Any] = {}
@@ -667,6 +669,23 @@ def shard_model(
     register_forward_methods(model, methods)
     WholeSavePretrained.install(model, comm)
     return model
+
+
+def upcast_low_precision(model: torch.nn.Module, announce: bool) -> None:
+    """Not collective (every rank holds the same model: checked before). Under a mixed-precision
+    policy FSDP2 computes in the policy's dtype but keeps the sharded parameters in the dtype
+    they arrive in: a model loaded in bfloat16 (transformers' torch_dtype=torch.bfloat16) would
+    have bfloat16 master weights, and updates smaller than their rounding step vanish. Its
+    floating tensors become float32 first, as Accelerate does; `announce`: warn (the main
+    process), since a checkpoint then holds float32 tensors."""
+    low = (torch.bfloat16, torch.float16)
+    if not any(p.requires_grad and p.dtype in low for p in model.parameters()):
+        return
+    model.to(torch.float32)
+    if announce:
+        warn("FSDP under mixed precision keeps float32 master weights: the model's bfloat16/"
+             "float16 parameters were upcast to float32 before sharding (the policy still "
+             "computes in its param_dtype); its checkpoints hold float32 tensors.")
 
 
 def check_optimizers(

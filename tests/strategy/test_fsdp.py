@@ -6,6 +6,7 @@ global batch: sharded data-parallel training must give the same losses and param
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -223,6 +224,24 @@ def test_mixed_precision_gather_and_metrics_under_fsdp(comm):
     assert acc.gather_for_metrics(torch.tensor([acc.process_index])).tolist() == list(
         range(acc.num_processes)
     )
+
+
+def test_low_precision_weights_get_float32_masters_under_mixed_precision(comm):
+    # A model loaded in bfloat16 trains in bf16 under the policy, but its sharded weights (the
+    # optimizer's master copy) are float32, as Accelerate upcasts them: lr 1e-4 steps are far
+    # below bf16's rounding step at these magnitudes and were lost before.
+    acc = _fresh(mixed_precision="bf16")
+    model = Tiny(seed=1).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with pytest.warns(MpaccelWarning, match="upcast to float32") if acc.is_main_process else (
+            contextlib.nullcontext()):
+        model, opt = acc.prepare(model, opt)
+    assert {p.to_local().dtype for p in model.parameters()} == {torch.float32}
+    before = [p.to_local().clone() for p in model.parameters()]
+    acc.backward(model(torch.ones(4, 6)).sum())
+    opt.step()
+    held = [(b, p.to_local()) for b, p in zip(before, model.parameters()) if b.numel()]
+    assert held and all(not torch.equal(b, now) for b, now in held)  # every step kept
 
 
 def test_activation_checkpointing_and_size_policy_train_the_same(comm):
