@@ -688,6 +688,21 @@ def upcast_low_precision(model: torch.nn.Module, announce: bool) -> None:
              "computes in its param_dtype); its checkpoints hold float32 tensors.")
 
 
+@contextmanager
+def optimizers_following(
+    models: list[torch.nn.Module], optimizers: list[Any], prepared: Iterable[Any]
+) -> Iterator[None]:
+    """Not collective. Around the replacing of `models`' parameters by DTensors (sharding,
+    splitting): the `optimizers` hold placeholders during the block, then the new parameters,
+    by name. Optimizers passed without models must hold DTensors of `prepared` already."""
+    if not models:
+        check_optimizers(optimizers, prepared)
+    detached = [(model, detach_optimizers(model, optimizers)) for model in models]
+    yield
+    for model, groups in detached:
+        attach_optimizers(model, groups)
+
+
 def check_optimizers(
     optimizers: Iterable[torch.optim.Optimizer], prepared: Iterable[torch.nn.Module]
 ) -> None:
@@ -869,12 +884,8 @@ class FullySharded(Strategy):
         """Not collective. The optimizers hold placeholders for the models' parameters while
         they are sharded (the whole tensors are freed as shards replace them), then the shards.
         Optimizers passed without models must hold the shards of `prepared` already."""
-        if not models:
-            check_optimizers(optimizers, prepared)
-        detached = [(model, detach_optimizers(model, optimizers)) for model in models]
-        yield
-        for model, groups in detached:
-            attach_optimizers(model, groups)
+        with optimizers_following(models, optimizers, prepared):
+            yield
 
     def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[None]:
         """Not collective. Each rank accumulates whole gradients until the next synchronising

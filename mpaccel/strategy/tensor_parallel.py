@@ -28,13 +28,11 @@ from .fully_sharded import (
     FullySharded,
     OptimizerState,
     SummedGradients,
-    attach_optimizers,
-    check_optimizers,
     clip_grad_norm_,
-    detach_optimizers,
     fsdp_module,
     full_state_dict,
     has_meta_tensors,
+    optimizers_following,
     structure,
     tied_aliases,
 )
@@ -466,12 +464,8 @@ class TensorParallel(Strategy):
     ) -> Iterator[None]:
         """Not collective. The optimizers hold placeholders while the models are split and
         sharded, then the new (DTensor) parameters, by name."""
-        if not models:
-            check_optimizers(optimizers, prepared)
-        detached = [(model, detach_optimizers(model, optimizers)) for model in models]
-        yield
-        for model, groups in detached:
-            attach_optimizers(model, groups)
+        with optimizers_following(models, optimizers, prepared):
+            yield
 
     def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[None]:
         """Not collective. The inner strategy's (FSDP2 keeps gradients local); a null context
