@@ -17,6 +17,7 @@ from mpaccel.checkpoint import CheckpointCollectiveError, load_model_state
 from mpaccel.parallelism_config import ParallelismConfig
 from mpaccel.utils import FullyShardedDataParallelPlugin, TorchTensorParallelConfig
 from tests.conftest import accelerator
+from tests.strategy.test_fsdp_checkpoint_resume import _micro_batches
 from tests.strategy.test_tensor_parallel import GLOBAL_BATCH, HIDDEN, PLAN, WIDTH, Net, _data
 
 pytestmark = [pytest.mark.mpi_timeout(300), pytest.mark.usefixtures("no_group_left_behind")]
@@ -41,20 +42,6 @@ def _prepared(acc, seed: int = 1, model: torch.nn.Module | None = None):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     loader = DataLoader(_data(64), batch_size=GLOBAL_BATCH // acc.strategy.data_parallel_size)
     return acc.prepare(model, opt, loader)
-
-
-def _micro_batches(acc, model, opt, loader, count: int) -> list[float]:
-    losses = []
-    for i, (x, y) in enumerate(loader):
-        if i >= count:
-            break
-        with acc.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-        losses.append(acc.reduce(loss.detach(), "mean").item())
-    return losses
 
 
 def _whole(value):
